@@ -1,0 +1,96 @@
+"""Atomic checkpoints, exact resume, safe load.
+
+A checkpoint is written to `ckpt-STEP.pt.tmp`, flushed to disk, then renamed
+to `ckpt-STEP.pt`; rename is atomic on POSIX file systems, so a crash leaves
+either the old set of complete checkpoints or the new one, never a partial
+file under a loadable name. Loading uses weights_only=True.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
+# Keys that may change between a run and its resumption: how long to run and
+# how often to report, not what is being computed.
+RESUMABLE_CHANGES = {
+    "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps",
+    "data.workers", "data.prefetch",
+}
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def path_for(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"ckpt-{step:08d}.pt"
+
+
+def list_complete(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first (temporary files are ignored)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := PATTERN.match(p.name))]
+    return sorted(found)
+
+
+def save(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = path_for(ckpt_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+    for _, old in list_complete(ckpt_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint that loads; None when there is none."""
+    errors = []
+    for _, p in reversed(list_complete(ckpt_dir)):
+        try:
+            return torch.load(p, map_location="cpu", weights_only=True), p
+        except Exception as e:  # noqa: BLE001 - fall back to the previous one
+            errors.append(f"{p.name}: {e}")
+    if errors:
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} could be read: " + "; ".join(errors))
+    return None
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Keys (flat, dotted) whose values differ and that matter for resuming."""
+    keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
+    return sorted(k for k in keys if saved.get(k) != current.get(k))
+
+
+def rng_state() -> dict[str, Any]:
+    st = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])

@@ -1,0 +1,224 @@
+"""Typed, frozen, documented configuration.
+
+A recipe is a TOML file with one table per section ([model], [data], ...).
+`--set section.key=value` overrides a key; the value is read as TOML (so
+`train.steps=200`, `data.augment="crop"` and bare `data.augment=crop` all work).
+Every field carries a one-line doc with its unit and range in its metadata;
+`load_config` checks names, types, ranges and choices before any work starts,
+raising ConfigError with one line that names the key, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; str() is one line for the user."""
+
+
+def opt(default, doc: str, *, choices=None, lo=None, hi=None):
+    """A config field: default, one-line doc (unit, range), optional checks."""
+    meta = {"doc": doc, "choices": choices, "lo": lo, "hi": hi}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = opt("resnet20", "network: resnet8 | resnet20 (CIFAR-style) | resnet18 | resnet50",
+                    choices=("resnet8", "resnet20", "resnet18", "resnet50"))
+    num_classes: int = opt(1200, "number of output classes (1..100000)", lo=1, hi=100_000)
+    norm: str = opt("batch", "normalisation layer: batch (BatchNorm) | group (GroupNorm, batch-independent)",
+                    choices=("batch", "group"))
+    width: int = opt(16, "channels of the first stage of CIFAR-style nets (4..256)", lo=4, hi=256)
+    init_from: str = opt("", "pretrained weights: path to .safetensors or a torch state dict ('' = random init)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = opt("digits", "dataset: digits | synthetic | imagefolder | manifest",
+                    choices=("digits", "synthetic", "imagefolder", "manifest"))
+    root: str = opt("", "imagefolder: directory root/CLASS/*.jpg|png; manifest: CSV file of path,label")
+    test_root: str = opt("", "optional held-out set in the same form as root ('' = split off test_fraction)")
+    test_fraction: float = opt(0.1, "fraction of root held out for testing when test_root is empty (0..0.9)",
+                               lo=0.0, hi=0.9)
+    image_size: int = opt(32, "side of the square network input, pixels (8..1024)", lo=8, hi=1024)
+    batch_size: int = opt(32, "images per replica per step (1..4096)", lo=1, hi=4096)
+    augment: str = opt("none", "training augmentation: none | crop | flip | crop+flip",
+                       choices=("none", "crop", "flip", "crop+flip"))
+    on_bad_image: str = opt("error", "unreadable image: error (stop, naming the file) | skip (count, report)",
+                            choices=("error", "skip"))
+    workers: int = opt(2, "background loader processes per replica (0 = load in the training process)",
+                       lo=0, hi=64)
+    prefetch: int = opt(2, "batches each loader process prepares ahead (1..16)", lo=1, hi=16)
+    synthetic_size: int = opt(4096, "synthetic: images per epoch (1..10^8)", lo=1, hi=100_000_000)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = opt("sgd", "optimizer: rmsprop-tf (TensorFlow 1.x RMSProp) | sgd (with momentum)",
+                    choices=("rmsprop-tf", "sgd"))
+    lr: float = opt(0.1, "peak learning rate (0..10)", lo=0.0, hi=10.0)
+    momentum: float = opt(0.9, "momentum (0..<1); rmsprop-tf applies it to the scaled update as TF does",
+                          lo=0.0, hi=0.999999)
+    decay: float = opt(0.9, "rmsprop-tf: decay of the mean-square accumulator (0..<1)", lo=0.0, hi=0.999999)
+    eps: float = opt(1.0, "rmsprop-tf: epsilon, inside the square root as in TF 1.x (>0)", lo=1e-12, hi=1e3)
+    weight_decay: float = opt(1e-4, "L2 term added to the loss: wd/2 * sum of squared weights (0..1)",
+                              lo=0.0, hi=1.0)
+    schedule: str = opt("constant", "learning-rate schedule after warm-up: constant | step | cosine",
+                        choices=("constant", "step", "cosine"))
+    warmup_steps: int = opt(0, "linear warm-up from 0 to lr, steps (>=0)", lo=0, hi=10**9)
+    step_size: int = opt(1000, "step schedule: multiply lr by gamma every this many steps (>=1)", lo=1, hi=10**9)
+    gamma: float = opt(0.1, "step schedule: factor applied every step_size steps (0..1)", lo=0.0, hi=1.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = opt(0, "optimizer steps to run (0 = derive from epochs)", lo=0, hi=10**9)
+    epochs: float = opt(1.0, "passes over the training set, used when steps = 0 (>0)", lo=0.0, hi=1e6)
+    seed: int = opt(0, "seed of initialisation, data order and augmentation (>=0)", lo=0, hi=2**31 - 1)
+    deterministic: bool = opt(False, "bit-reproducible kernels and data (slower on GPU)")
+    eval_every: int = opt(0, "evaluate on the test set every this many steps (0 = only at the end)",
+                          lo=0, hi=10**9)
+    checkpoint_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)",
+                                lo=0, hi=10**9)
+    keep_checkpoints: int = opt(2, "complete checkpoints kept on disk (1..100)", lo=1, hi=100)
+    log_every: int = opt(10, "write a metrics row every this many steps (1..10^6)", lo=1, hi=10**6)
+    warmup_log_steps: int = opt(2, "first steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
+    device: str = opt("auto", "auto (CUDA when present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))
+    channels_last: bool = opt(False, "use the channels_last memory format on CUDA")
+    threads: int = opt(0, "CPU threads for torch in this process (0 = torch's default)", lo=0, hi=1024)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+    def replace(self, **overrides: Any) -> "Config":
+        """Copy with dotted overrides, e.g. cfg.replace(**{"train.steps": 5})."""
+        return build_config(self.to_dict(), [f"{k}={_toml_value(v)}" for k, v in overrides.items()])
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+
+def field_docs() -> dict[str, str]:
+    """Every key with its one-line doc, for `scaletrain keys` and the README."""
+    out = {}
+    for sec in fields(Config):
+        cls = get_type_hints(Config)[sec.name]
+        for f in fields(cls):
+            out[f"{sec.name}.{f.name}"] = f.metadata["doc"]
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    import tomli_w
+
+    return tomli_w.dumps({"v": v}).split("=", 1)[1].strip()
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=100")
+    key, raw = item.split("=", 1)
+    key, raw = key.strip(), raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as crop+flip is a string
+    return key.split("."), value
+
+
+def _check(key: str, value: Any, f: dataclasses.Field, typ: type) -> Any:
+    allowed = f.metadata["doc"]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typ is bool and not isinstance(value, bool) or typ is not bool and (
+            isinstance(value, bool) or not isinstance(value, typ)):
+        raise ConfigError(f"{key} = {value!r}: expected {typ.__name__} ({allowed})")
+    ch, lo, hi = f.metadata["choices"], f.metadata["lo"], f.metadata["hi"]
+    if ch is not None and value not in ch:
+        raise ConfigError(f"{key} = {value!r}: not allowed; choose one of {', '.join(ch)}")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        raise ConfigError(f"{key} = {value!r}: out of range [{lo}, {hi}] ({allowed})")
+    return value
+
+
+def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str = "recipe") -> Config:
+    """Config from a nested dict plus KEY=VALUE overrides; raises ConfigError."""
+    merged: dict[str, dict[str, Any]] = {}
+    for sec, table in recipe.items():
+        if sec not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section [{sec}]; sections are {', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin}: [{sec}] must be a table of keys")
+        merged[sec] = dict(table)
+    for item in overrides:
+        path, value = _parse_override(item)
+        if len(path) != 2 or path[0] not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: key must be SECTION.KEY with SECTION one of "
+                              f"{', '.join(SECTIONS)}")
+        merged.setdefault(path[0], {})[path[1]] = value
+    hints = get_type_hints(Config)
+    built = {}
+    for sec, table in merged.items():
+        cls = hints[sec]
+        known = {f.name: f for f in fields(cls)}
+        types = get_type_hints(cls)
+        kw = {}
+        for k, v in table.items():
+            if k not in known:
+                raise ConfigError(f"unknown key {sec}.{k} in {origin}; {sec} keys are {', '.join(known)}")
+            kw[k] = _check(f"{sec}.{k}", v, known[k], types[k])
+        built[sec] = cls(**kw)
+    cfg = Config(**built)
+    _check_relations(cfg)
+    return cfg
+
+
+def _check_relations(cfg: Config) -> None:
+    if cfg.data.name in ("imagefolder", "manifest") and not cfg.data.root:
+        raise ConfigError(f"data.root is empty: data.name = {cfg.data.name!r} needs a "
+                          + ("directory root/CLASS/*.jpg" if cfg.data.name == "imagefolder" else "CSV manifest"))
+    if cfg.train.steps == 0 and cfg.train.epochs <= 0:
+        raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
+    if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
+        raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML recipe (or defaults when None) and apply overrides."""
+    if recipe is None:
+        return build_config({}, overrides)
+    path = Path(recipe)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"recipe {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"recipe {path}: not valid TOML: {e}") from None
+    return build_config(data, overrides, origin=str(path))
+
+
+def dump_toml(cfg: Config) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(cfg.to_dict())
