@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
+	rm -rf runs/demo-digits
 	$(BIN)/scaletrain train --recipe recipes/digits.toml --run-dir runs/demo-digits
 
 test: $(STAMP)

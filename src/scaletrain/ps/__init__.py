@@ -1,0 +1,1 @@
+"""Parameter servers: the server loop, how parameters are sharded, versions and staleness."""

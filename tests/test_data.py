@@ -1,0 +1,125 @@
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from scaletrain.config import build_config
+from scaletrain.data import DataError, ShardedBatches, build_datasets, train_loader
+from scaletrain.train import train
+
+from conftest import scaletrain_cmd
+
+
+def write_images(root, classes=("happy_baby", "crying_baby", "sad_dog"), per_class=4, size=(20, 14)):
+    rng = np.random.RandomState(0)
+    rows = []
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            arr = rng.randint(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+            name = f"{c}/{i}.png" if i % 2 else f"{c}/{i}.jpg"
+            Image.fromarray(arr).save(root / name)
+            rows.append((name, c))
+    return rows
+
+
+def cfg_for(name, root, **extra):
+    data = {"name": name, "root": str(root), "image_size": 16, "batch_size": 4, "workers": 0,
+            "test_fraction": 0.25, **extra}
+    return build_config({"model": {"name": "resnet8", "num_classes": 3, "width": 8}, "data": data,
+                         "train": {"steps": 3, "log_every": 1}})
+
+
+def test_imagefolder_loads_sorted_classes(tmp_path):
+    write_images(tmp_path)
+    tr, te, classes = build_datasets(cfg_for("imagefolder", tmp_path))
+    assert classes == ["crying_baby", "happy_baby", "sad_dog"]
+    assert len(tr) + len(te) == 12 and len(te) == 3
+    x, y = tr[0]
+    assert x.shape == (3, 16, 16) and x.dtype == torch.float32 and 0 <= y < 3
+
+
+def test_manifest_with_names_and_indices(tmp_path):
+    rows = write_images(tmp_path)
+    (tmp_path / "m.csv").write_text("path,label\n" + "".join(f"{p},{c}\n" for p, c in rows))
+    tr, te, classes = build_datasets(cfg_for("manifest", tmp_path / "m.csv"))
+    assert classes == ["crying_baby", "happy_baby", "sad_dog"] and len(tr) == 9
+    (tmp_path / "i.csv").write_text("".join(f"{p},{i % 3}\n" for i, (p, _) in enumerate(rows)))
+    tr, _, _ = build_datasets(cfg_for("manifest", tmp_path / "i.csv", test_fraction=0.0))
+    assert sorted(tr.labels) == sorted(i % 3 for i in range(12))
+
+
+def test_out_of_range_label_named_with_line(tmp_path):
+    rows = write_images(tmp_path)
+    (tmp_path / "m.csv").write_text("path,label\n" + "".join(f"{p},{i % 3}\n" for i, (p, _) in enumerate(rows))
+                                    + f"{rows[0][0]},3\n")
+    with pytest.raises(DataError, match=r"m\.csv line 14: label '3' is outside \[0, 3\)"):
+        build_datasets(cfg_for("manifest", tmp_path / "m.csv"))
+    write_images(tmp_path / "four", classes=("a", "b", "c", "d"), per_class=1)
+    with pytest.raises(DataError, match=r"four/d: class index 3 is outside \[0, 3\)"):
+        build_datasets(cfg_for("imagefolder", tmp_path / "four"))
+
+
+def test_missing_file_and_directory_named(tmp_path):
+    rows = write_images(tmp_path)
+    (tmp_path / "m.csv").write_text("".join(f"{p},{c}\n" for p, c in rows) + "nothere.jpg,sad_dog\n")
+    with pytest.raises(DataError, match=r"m\.csv line 13: image .*nothere\.jpg does not exist"):
+        build_datasets(cfg_for("manifest", tmp_path / "m.csv"))
+    with pytest.raises(DataError, match=r"directory .*absent does not exist"):
+        build_datasets(cfg_for("imagefolder", tmp_path / "absent"))
+
+
+def corrupt_folder(tmp_path):
+    write_images(tmp_path, per_class=4)
+    bad = tmp_path / "sad_dog" / "9.jpg"
+    bad.write_bytes(b"this is not a jpeg")
+    return bad
+
+
+def test_corrupt_image_stops_run_naming_file(tmp_path, env):
+    bad = corrupt_folder(tmp_path / "data")
+    # test_root == root: every image, the corrupt one too, is read in the first steps
+    p = subprocess.run(scaletrain_cmd("train", "--recipe", "recipes/digits.toml", "--quiet",
+                                      "--set", "data.name=imagefolder", "--set", f"data.root={tmp_path / 'data'}",
+                                      "--set", f"data.test_root={tmp_path / 'data'}", "--set", "model.num_classes=3",
+                                      "--set", "data.batch_size=13", "--set", "train.steps=1",
+                                      "--set", "data.workers=1", "--run-dir", str(tmp_path / "run")),
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 1, p.stderr
+    assert f"{bad}: cannot read image" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_corrupt_image_skipped_and_counted(tmp_path):
+    bad = corrupt_folder(tmp_path / "data")
+    cfg = cfg_for("imagefolder", tmp_path / "data", on_bad_image="skip", test_root=str(tmp_path / "data"),
+                  batch_size=13, workers=1)
+    s = train(cfg.replace(**{"train.steps": 2}), tmp_path / "run", progress=False)
+    assert s["skipped_images"] == 1 and s["skipped_files"] == [str(bad)]
+    assert s["test_images"] == 13 and json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_images"] == 1
+
+
+@pytest.mark.parametrize("world, batch", [(2, 3), (4, 2), (3, 5)])
+def test_sampler_union_of_replicas_is_the_single_batch(world, batch):
+    n = 101
+    single = ShardedBatches(n, world * batch, 1, 0, seed=7)
+    shards = [ShardedBatches(n, batch, world, r, seed=7) for r in range(world)]
+    assert single.per_epoch == shards[0].per_epoch
+    for step in range(3 * single.per_epoch):  # several epochs, reshuffled each
+        union = [i for s in shards for i in s.indices(step)]
+        assert union == single.indices(step)
+        assert len(set(union)) == world * batch
+
+
+def test_loaded_replica_batches_equal_the_single_batch_with_augmentation(digits_cfg):
+    world, b = 2, 8
+    one = digits_cfg(f"data.batch_size={world * b}", "data.augment=crop+flip", "data.workers=1")
+    shard = one.replace(**{"data.batch_size": b})
+    tr, _, _ = build_datasets(one)
+    single, _ = train_loader(tr, one, start=3, stop=6)
+    replicas = [train_loader(tr, shard, start=3, stop=6, world=world, rank=r)[0] for r in range(world)]
+    for big, *parts in zip(single, *replicas):
+        assert torch.equal(big.x, torch.cat([p.x for p in parts]))
+        assert torch.equal(big.y, torch.cat([p.y for p in parts]))

@@ -1,0 +1,54 @@
+import math
+
+import pytest
+import torch
+
+from scaletrain.config import OptimConfig
+from scaletrain.optim import RMSpropTF, decayed, loss_fn, lr_at
+
+
+def test_rmsprop_tf_matches_hand_computed_update():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    g = [0.5, 1.0]
+    opt = RMSpropTF([p], lr=0.1, decay=0.9, eps=1.0, momentum=0.5)
+    expected, ms, mom = [1.0, -2.0], [1.0, 1.0], [0.0, 0.0]  # TF: accumulator starts at 1.0
+    for _ in range(3):
+        p.grad = torch.tensor(g)
+        opt.step()
+        for i in range(2):
+            ms[i] = 0.9 * ms[i] + 0.1 * g[i] ** 2
+            mom[i] = 0.5 * mom[i] + 0.1 * g[i] / math.sqrt(ms[i] + 1.0)  # eps inside the root
+            expected[i] -= mom[i]
+        assert p.detach().tolist() == pytest.approx(expected, abs=1e-7)
+
+
+def test_rmsprop_tf_differs_from_torch_rmsprop():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3))
+    ta, tb = RMSpropTF([a], lr=0.1, decay=0.9, eps=1.0), torch.optim.RMSprop([b], lr=0.1, alpha=0.9, eps=1.0)
+    a.grad = b.grad = torch.full((3,), 0.5)
+    ta.step()
+    tb.step()
+    assert not torch.allclose(a, b)
+    # first TF step: 0.1 * 0.5 / sqrt(0.9 + 0.1*0.25 + 1.0)
+    assert a[0].item() == pytest.approx(1 - 0.05 / math.sqrt(1.925), abs=1e-7)
+
+
+def test_loss_adds_half_weight_decay_times_squared_weights():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    params = decayed(model)
+    assert len(params) == 1 and params[0] is model[0].weight  # bias not decayed
+    logits = model(x)
+    got = loss_fn(logits, y, params, 1e-2)
+    want = torch.nn.functional.cross_entropy(logits, y) + 0.5e-2 * model[0].weight.pow(2).sum()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_schedules():
+    c = OptimConfig(lr=1.0, warmup_steps=4, schedule="step", step_size=10, gamma=0.5)
+    assert [lr_at(c, s, 100) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(c, 13, 100) == 1.0 and lr_at(c, 14, 100) == 0.5 and lr_at(c, 24, 100) == 0.25
+    cos = OptimConfig(lr=2.0, schedule="cosine")
+    assert lr_at(cos, 0, 10) == 2.0 and lr_at(cos, 5, 10) == pytest.approx(1.0) and lr_at(cos, 10, 10) == 0.0
+    assert lr_at(OptimConfig(lr=0.3), 999, 10) == 0.3
