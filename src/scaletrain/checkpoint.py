@@ -21,7 +21,7 @@ PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
 RESUMABLE_CHANGES = {
     "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps",
-    "data.workers", "data.prefetch",
+    "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
 }
 
 

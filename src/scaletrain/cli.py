@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -12,6 +13,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, field_docs, load_config
 from .data import DataError
 from .models import PretrainedError
+from .plan import PlanError
 
 # Errors the user can act on: printed as one line, never as a traceback.
 USER_ERRORS = (DataError, PretrainedError, CheckpointError)
@@ -47,10 +49,23 @@ def main(argv: list[str] | None = None) -> int:
         print("scaletrain: --resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    from .train import RunError, train  # torch is imported only once the config is valid
+    from .train import RunError, prepare_run_dir, train  # torch is imported only once the config is valid
 
     try:
-        summary = train(cfg, run_dir, resume=args.resume, progress=not args.quiet)
+        if cfg.distributed:
+            from .launch.local import LaunchError, launch
+
+            try:
+                prepare_run_dir(run_dir, args.resume)
+                rc = launch(cfg, run_dir, resume=args.resume, progress=not args.quiet)
+            except (PlanError, LaunchError) as e:
+                print(f"scaletrain: error: {e}", file=sys.stderr)
+                return 2
+            if rc:
+                return rc
+            summary = json.loads((run_dir / "summary.json").read_text())
+        else:
+            summary = train(cfg, run_dir, resume=args.resume, progress=not args.quiet)
     except (RunError, *USER_ERRORS) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 1

@@ -99,11 +99,41 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    nodes: int = opt(1, "worker nodes (1..4096)", lo=1, hi=4096)
+    gpus_per_node: int = opt(1, "replicas per worker node, one process and one GPU each (1..16)", lo=1, hi=16)
+    num_ps: int = opt(0, "parameter-server processes, each holding one shard (0..4096)", lo=0, hi=4096)
+    ps_placement: str = opt("alongside", "alongside (on worker nodes, at most one per node, no GPU) | "
+                            "dedicated (one extra node per PS)", choices=("alongside", "dedicated"))
+    sharding: str = opt("balanced", "split of parameters over PS: balanced (equal contiguous ranges) | "
+                        "round-robin (whole tensors, as the study did)", choices=("balanced", "round-robin"))
+    timeout_s: float = opt(60.0, "timeout of rendezvous and collectives, seconds (1..86400)", lo=1.0, hi=86400.0)
+    master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
+    master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
+                           lo=0, hi=65535)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    name: str = opt("allreduce", "how replicas synchronise: allreduce | sync | mixed-async | async | backup",
+                    choices=("allreduce", "sync", "mixed-async", "async", "backup"))
+    backup_workers: int = opt(0, "backup: node gradients a version may go without, b (0..nodes-1)", lo=0, hi=4095)
+    slow_node: int = opt(-1, "testing: node whose replicas are slowed down (-1 = none)", lo=-1, hi=4095)
+    slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
+    @property
+    def distributed(self) -> bool:
+        return self.cluster.nodes * self.cluster.gpus_per_node > 1 or self.cluster.num_ps > 0
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -200,6 +230,12 @@ def _check_relations(cfg: Config) -> None:
                           + ("directory root/CLASS/*.jpg" if cfg.data.name == "imagefolder" else "CSV manifest"))
     if cfg.train.steps == 0 and cfg.train.epochs <= 0:
         raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
+    s, c = cfg.strategy, cfg.cluster
+    if s.name == "backup" and s.backup_workers >= c.nodes:
+        raise ConfigError(f"strategy.backup_workers = {s.backup_workers}: must be below cluster.nodes = {c.nodes} "
+                          "(a version needs at least one node's gradient)")
+    if s.slow_node >= c.nodes:
+        raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
         raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
 

@@ -18,26 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.config import opt
+from scaletrain.config import ClusterConfig
+
+__all__ = ["ClusterConfig", "Plan", "PlanError", "Proc", "format_table", "make_plan"]
 
 
 class PlanError(ValueError):
     """A cluster shape that cannot be placed; str() is one line for the user."""
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    nodes: int = opt(1, "worker nodes (1..4096)", lo=1, hi=4096)
-    gpus_per_node: int = opt(1, "replicas per worker node, one process and one GPU each (1..16)", lo=1, hi=16)
-    num_ps: int = opt(0, "parameter-server processes, each holding one shard (0..4096)", lo=0, hi=4096)
-    ps_placement: str = opt("alongside", "alongside (on worker nodes, at most one per node, no GPU) | "
-                            "dedicated (one extra node per PS)", choices=("alongside", "dedicated"))
-    sharding: str = opt("balanced", "split of parameters over PS: balanced (equal contiguous ranges) | "
-                        "round-robin (whole tensors, as the study did)", choices=("balanced", "round-robin"))
-    timeout_s: float = opt(60.0, "timeout of rendezvous and collectives, seconds (1..86400)", lo=1.0, hi=86400.0)
-    master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
-    master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
-                           lo=0, hi=65535)
 
 
 @dataclass(frozen=True)

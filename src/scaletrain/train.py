@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, stats
 from .config import Config, dump_toml
+from .dist import Context, single
 from .data import Batch, DataError, build_datasets, test_loader, train_loader
 from .metrics import Progress, Recorder, rate_stats, run_info, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
+from .strategies import build_strategy, entry
 
 log = logging.getLogger("scaletrain")
 
@@ -92,24 +94,33 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
                        "or choose another --run-dir")
 
 
-def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run one training job in this process; returns the summary it writes."""
+def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
+          ctx: Context | None = None) -> dict[str, Any]:
+    """Run the worker loop of this process; returns the summary (the chief writes it)."""
+    ctx = ctx or single()
+    chief = ctx.is_chief
     run_dir = Path(run_dir)
-    prepare_run_dir(run_dir, resume)
+    if chief:
+        prepare_run_dir(run_dir, resume)
     setup_process(cfg)
-    device = pick_device(cfg)
+    device = pick_device(cfg) if ctx.me.device == "cpu" or not ctx.distributed else torch.device(ctx.me.device)
     torch.manual_seed(cfg.train.seed)
     train_set, test_set, classes = build_datasets(cfg)
     model = build_model(cfg.model).to(device)
     if cfg.train.channels_last and device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     opt = build_optimizer(cfg.optim, model.parameters())
-    per_epoch = len(train_set) // cfg.data.batch_size
+    global_batch = cfg.data.batch_size * len(ctx.plan.workers)
+    per_epoch = len(train_set) // global_batch
     if per_epoch == 0:
-        raise RunError(f"{len(train_set)} training images are fewer than data.batch_size = {cfg.data.batch_size}")
+        raise RunError(f"{len(train_set)} training images are fewer than one global batch "
+                       f"({len(ctx.plan.workers)} replicas x data.batch_size = {cfg.data.batch_size})")
     total = total_steps(cfg, per_epoch)
 
     start, best, bad, resumed_from = 0, None, set(), None
+    if resume and entry(cfg).uses_ps:
+        raise RunError(f"--resume: strategy.name = {cfg.strategy.name!r} keeps optimizer state on the "
+                       "parameter servers, which checkpoints do not hold yet; restart the run")
     if resume:
         found = checkpoint.load_latest(run_dir / "checkpoints")
         if found is None:
@@ -125,18 +136,22 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
             checkpoint.set_rng_state(state["rng"])
             start, best, bad, resumed_from = state["step"], state["best_test_accuracy"], set(state["bad"]), str(path)
             log.info("resumed from %s at step %d", path, start)
-    (run_dir / "config.toml").write_text(dump_toml(cfg))
-    (run_dir / "classes.txt").write_text("\n".join(classes) + "\n")
+    if chief:
+        (run_dir / "config.toml").write_text(dump_toml(cfg))
+        (run_dir / "classes.txt").write_text("\n".join(classes) + "\n")
 
     pin = device.type == "cuda"
-    loader, _ = train_loader(train_set, cfg, start, total, pin=pin)
+    replicas = len(ctx.plan.workers)
+    loader, _ = train_loader(train_set, cfg, start, total, world=replicas, rank=ctx.me.index, pin=pin)
+    strategy = build_strategy(cfg, ctx, model, opt)
     evaluation = test_loader(test_set, cfg, pin) if len(test_set) else None
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
     wd_params = decayed(model)
     policy, t = cfg.data.on_bad_image, cfg.train
-    rec = Recorder(run_dir)
-    bar = Progress(total, start, enabled=progress, every=t.log_every)
+    rec = Recorder(run_dir, tensorboard=chief, extra={"rank": ctx.rank} if ctx.distributed else None)
+    bar = Progress(total, start, enabled=progress and chief, every=t.log_every)
+    slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
     info = run_info(device)
 
     def save_checkpoint(step: int) -> None:
@@ -147,7 +162,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
 
     def run_eval(step: int) -> dict[str, float]:
         nonlocal best
-        if evaluation is None:
+        if evaluation is None or not chief:
             return {}
         res = evaluate(model, evaluation, device, policy, bad)
         if res:
@@ -158,7 +173,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
 
     # Throughput is measured over windows between log points, with the device
     # synchronised at each end; the first `warmup_log_steps` are left out.
-    win_images, win_seconds, win_wait, last_loss = [], [], [], float("nan")
+    win_images, win_seconds, win_wait, last_loss, compute_s = [], [], [], float("nan"), 0.0
     t_start = time.perf_counter()
     mark, mark_step, wait, images, loss_acc, n_loss = None, start, 0.0, 0, torch.zeros((), device=device), 0
     it = iter(loader)
@@ -177,13 +192,17 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
             if cfg.train.channels_last and device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
             lr = lr_at(cfg.optim, step, total)
-            for g in opt.param_groups:
-                g["lr"] = lr
+            t1 = time.perf_counter()
             with autocast:
                 loss = loss_fn(model(x).float(), y, wd_params, cfg.optim.weight_decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            opt.step()
+            if slow:
+                time.sleep(slow)  # testing only: an emulated straggler
+            if ctx.distributed:
+                sync(device)  # host-device sync, so compute time is not charged to communication
+            compute_s += time.perf_counter() - t1
+            strategy.step(lr)
             images += len(y)
             loss_acc += loss.detach()
             n_loss += 1
@@ -205,25 +224,37 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 n_loss = 0
             if t.eval_every and done % t.eval_every == 0 and done != total:
                 run_eval(done)
-            if t.checkpoint_every and done % t.checkpoint_every == 0 and done != total:
+            if chief and t.checkpoint_every and done % t.checkpoint_every == 0 and done != total:
                 save_checkpoint(done)
+        strategy.finish()
         final = run_eval(total)
-        save_checkpoint(total)
+        if chief:
+            save_checkpoint(total)
     finally:
         bar.close()
         rec.close()
         del it  # stops loader worker processes
 
+    rate = rate_stats(win_images, win_seconds)
+    c = strategy.counters
+    job = {}
+    if ctx.distributed:
+        rows = stats.gather_all(stats.pack(
+            node=ctx.me.node, images=sum(win_images), timed_s=sum(win_seconds), bytes_sent=c.bytes_sent,
+            bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=compute_s,
+            intra_s=c.intra_s, comm_s=c.comm_s, pusher=getattr(strategy, "pusher", True)), ctx.plan.world_size)
+        job = stats.summarize(rows, cfg.cluster.num_ps, cfg.cluster.nodes)
+    if not chief:
+        return {}
     from safetensors.torch import save_file
 
     tmp = run_dir / "model.safetensors.tmp"
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
     os.replace(tmp, run_dir / "model.safetensors")
-    stats = rate_stats(win_images, win_seconds)
     wall = time.perf_counter() - t_start
     summary = {
         "steps": total, "epochs": total / per_epoch, "wall_seconds": wall,
-        **stats,
+        **rate,
         "data_wait_fraction": sum(win_wait) / sum(win_seconds) if win_seconds else None,
         "final_train_loss": last_loss,
         "test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss"),
@@ -232,7 +263,11 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         "resumed_from": resumed_from, "start_step": start,
         "train_images": len(train_set), "test_images": len(test_set),
         "model": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
+        "strategy": cfg.strategy.name, "nodes": cfg.cluster.nodes, "gpus_per_node": cfg.cluster.gpus_per_node,
+        "num_ps": cfg.cluster.num_ps, "ps_placement": cfg.cluster.ps_placement, "replicas": replicas,
+        "nodes_total": ctx.plan.nodes_total,
         **info,
+        **job,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -1,0 +1,163 @@
+"""Process groups, liveness and failure reports. Nothing happens at import time.
+
+Every process joins one gloo world (PS traffic and small collectives on CPU
+tensors), then makes the same subgroups in the same order: one per worker
+node (the replicas that average inside the node; NCCL on GPUs) and one of all
+workers (all-reduce). A heartbeat thread writes `hb/RANK` into the
+rendezvous store; a watchdog ends the process when a peer's heartbeat is
+older than cluster.timeout_s, so no process waits forever on a dead one, and
+every error names the rank and node that went missing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .plan import Plan, Proc, make_plan
+
+log = logging.getLogger("scaletrain")
+HEARTBEAT_S = 0.5
+STALE_S = 3.0  # a heartbeat older than this marks its rank as missing
+
+
+class PeerLost(RuntimeError):
+    """A peer died or stopped answering; str() names it."""
+
+
+@dataclass
+class Context:
+    """Where this process sits in the plan, and its process groups."""
+
+    plan: Plan
+    me: Proc
+    timeout_s: float = 60.0
+    node_group: object = None     # workers of this node (None when alone)
+    workers_group: object = None  # all workers (None when alone)
+    gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rank(self) -> int:
+        return self.me.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self.me.role == "worker" and self.me.index == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.plan.world_size > 1
+
+    def describe(self, rank: int) -> str:
+        p = self.plan.procs[rank]
+        return f"rank {rank} ({p.role} {p.index} on node {p.node})"
+
+    def node_workers(self) -> list[int]:
+        return [p.rank for p in self.plan.workers if p.node == self.me.node]
+
+    def lost(self, err: BaseException) -> PeerLost:
+        """Turn a communication error into one naming the missing peers."""
+        deadline = time.time() + STALE_S + 2
+        while not self.gone and time.time() < deadline:  # a dead peer's heartbeat needs a moment to age
+            time.sleep(HEARTBEAT_S)
+        who = ", ".join(self.describe(r) for r in self.gone) or "an unknown peer"
+        return PeerLost(f"{self.describe(self.rank)}: lost contact with {who}: {str(err).splitlines()[0]}")
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def single() -> Context:
+    from .config import ClusterConfig
+
+    plan = make_plan(ClusterConfig(), ps_required=False)
+    return Context(plan, plan.procs[0])
+
+
+def init(cfg: Config, rank: int, world_size: int, ps_required: bool) -> Context:
+    """Join the world and make the subgroups; start heartbeat and watchdog."""
+    c = cfg.cluster
+    use_gpu = torch.cuda.is_available() and cfg.train.device != "cpu"
+    plan = make_plan(c, ps_required, use_gpu)
+    if plan.world_size != world_size:
+        raise RuntimeError(f"the plan has {plan.world_size} processes but WORLD_SIZE = {world_size}; "
+                           "start the job with `scaletrain plan`'s process counts")
+    timeout = datetime.timedelta(seconds=c.timeout_s)
+    dist.init_process_group("gloo", init_method=f"tcp://{c.master_addr}:{c.master_port}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    ctx = Context(plan, plan.procs[rank], c.timeout_s)
+    local_backend = "nccl" if use_gpu else "gloo"
+    # Collective: every rank creates every group, in the same order.
+    for node in range(plan.worker_nodes):
+        ranks = [p.rank for p in plan.workers if p.node == node]
+        g = dist.new_group(ranks, timeout=timeout, backend=local_backend)
+        if ctx.me.node == node and ctx.me.role == "worker" and len(ranks) > 1:
+            ctx.node_group = g
+    g = dist.new_group([p.rank for p in plan.workers], timeout=timeout, backend=local_backend)
+    if ctx.me.role == "worker" and len(plan.workers) > 1:
+        ctx.workers_group = g
+    threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat").start()
+    return ctx
+
+
+def _missing(store, ctx: Context) -> list[int]:
+    """Ranks whose heartbeat is stale and which did not finish cleanly."""
+    now, out = time.time(), []
+    for r in range(ctx.plan.world_size):
+        if r != ctx.rank and not store.check([f"done/{r}"]):
+            if not store.check([f"hb/{r}"]) or now - float(store.get(f"hb/{r}")) > STALE_S:
+                out.append(r)
+    return out
+
+
+def _heartbeat(ctx: Context) -> None:
+    """The only user of the store after start-up (store clients are not shared across threads)."""
+    store, started, stale_since = _store(), time.time(), None
+    while not ctx._stop.wait(HEARTBEAT_S):
+        try:
+            store.set(f"hb/{ctx.rank}", str(time.time()))
+            gone = _missing(store, ctx) if time.time() - started > STALE_S else []
+        except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
+            gone = [0]
+        ctx.gone = gone
+        if not gone:
+            stale_since = None
+            continue
+        stale_since = stale_since or time.time()
+        if time.time() - stale_since > ctx.timeout_s:
+            # The main thread may be blocked inside a collective that will
+            # not return; this is the only way out within the timeout.
+            names = ", ".join(ctx.describe(r) for r in gone)
+            print(f"scaletrain: error: {ctx.describe(ctx.rank)}: no heartbeat from {names} for "
+                  f"{ctx.timeout_s:.0f} s; exiting", file=sys.stderr, flush=True)
+            os._exit(3)
+
+
+def finish(ctx: Context) -> None:
+    """Mark this process done, wait for all, and leave the world."""
+    if not ctx.distributed:
+        return
+    ctx._stop.set()
+    _store().set(f"done/{ctx.rank}", "1")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def abort(ctx: Context) -> None:
+    ctx._stop.set()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already broken
+            pass

@@ -1,0 +1,1 @@
+"""Starting the processes of a plan: locally, under torchrun, under Slurm."""

@@ -1,0 +1,80 @@
+"""Per-process figures gathered to the chief at the end of a distributed run.
+
+Each process packs its figures into one float64 vector of fixed layout and
+the world all-gathers them (one gloo collective; no pickled objects).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .ps.server import HIST_BINS
+
+FIELDS = ("is_ps", "node", "images", "timed_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
+          "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher")
+
+
+def pack(**values: float) -> torch.Tensor:
+    vec = torch.zeros(len(FIELDS) + HIST_BINS, dtype=torch.float64)
+    for k, v in values.items():
+        if k == "hist":
+            vec[len(FIELDS):] = v.double()
+        else:
+            vec[FIELDS.index(k)] = float(v)
+    return vec
+
+
+def gather_all(vec: torch.Tensor, world_size: int) -> list[dict]:
+    out = [torch.zeros_like(vec) for _ in range(world_size)]
+    dist.all_gather(out, vec)  # collective over the whole world, PS included
+    return [dict(zip(FIELDS, v[:len(FIELDS)].tolist()), hist=v[len(FIELDS):].long()) for v in out]
+
+
+def percentile(hist: torch.Tensor, q: float) -> int:
+    total = int(hist.sum())
+    if total == 0:
+        return 0
+    cum = torch.cumsum(hist, 0)
+    return int(torch.searchsorted(cum, torch.tensor(q * total, dtype=cum.dtype)).item())
+
+
+def summarize(rows: list[dict], num_ps: int, nodes: int) -> dict:
+    """Job-wide figures from every process's row."""
+    workers = [r for r in rows if not r["is_ps"]]
+    ps = [r for r in rows if r["is_ps"]]
+    pushers = [r for r in workers if r["pusher"]]
+    out = {
+        "images_per_sec": sum(r["images"] / r["timed_s"] for r in workers if r["timed_s"] > 0),
+        "time_split_s": {k: sum(r[k] for r in workers) / len(workers) for k in ("compute_s", "intra_s", "comm_s")},
+        "bytes_per_step": {
+            "worker_sent": _mean(r["bytes_sent"] / max(r["steps"], 1) for r in workers),
+            "worker_recv": _mean(r["bytes_recv"] / max(r["steps"], 1) for r in workers),
+            "intra_node": _mean(r["intra_bytes"] / max(r["steps"], 1) for r in workers),
+        },
+    }
+    if ps:
+        hist = sum(r["hist"] for r in ps)
+        n = int(hist.sum())
+        mean = float((hist * torch.arange(len(hist))).sum()) / n if n else 0.0
+        sizes = [r["shard_bytes"] for r in ps]
+        steps = max(r["steps"] for r in workers)
+        out.update({
+            "staleness_mean": mean, "staleness_p50": percentile(hist, 0.5), "staleness_p95": percentile(hist, 0.95),
+            "staleness_max": int(max(r["stale_max"] for r in ps)),
+            "staleness_hist": hist.tolist()[: max(1, int(max(r["stale_max"] for r in ps)) + 1)],
+            # every shard sees every push: the shard that dropped most counts the node gradients lost
+            "dropped_gradients": int(max(r["dropped"] for r in ps)),
+            "shard_bytes": {"max": max(sizes), "mean": sum(sizes) / len(sizes),
+                            "max_over_mean": max(sizes) * len(sizes) / sum(sizes)},
+            # PS traffic (both directions) of one node in one step
+            "ps_bytes_per_node_step": sum(r["bytes_sent"] + r["bytes_recv"] for r in pushers) / nodes / max(steps, 1),
+        })
+        out["bytes_per_step"]["ps_sent"] = _mean(r["bytes_sent"] / max(steps, 1) for r in ps)
+        out["bytes_per_step"]["ps_recv"] = _mean(r["bytes_recv"] / max(steps, 1) for r in ps)
+    return out
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0

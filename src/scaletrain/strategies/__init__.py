@@ -1,0 +1,45 @@
+"""The strategy registry: the only place that maps strategy names to behaviour.
+
+Each entry gives the worker-side class (and its options) and, for PS
+strategies, the server's mode: how many node gradients a shard waits for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+from .allreduce import AllReduce
+from .base import Strategy
+from .ps_client import PSClient
+
+
+@dataclass(frozen=True)
+class Entry:
+    make: Callable[..., Strategy]
+    uses_ps: bool
+    server: str = ""      # "sync": wait for a version's gradients | "async": apply each at once
+    per_node: bool = True  # one pusher per node (averaged inside) or one per replica
+
+
+REGISTRY: dict[str, Entry] = {
+    "allreduce": Entry(AllReduce, uses_ps=False),
+    "sync": Entry(partial(PSClient, per_node=True), uses_ps=True, server="sync"),
+    "backup": Entry(partial(PSClient, per_node=True), uses_ps=True, server="sync"),
+    "mixed-async": Entry(partial(PSClient, per_node=True), uses_ps=True, server="async"),
+    "async": Entry(partial(PSClient, per_node=False), uses_ps=True, server="async"),
+}
+
+
+def entry(cfg) -> Entry:
+    return REGISTRY[cfg.strategy.name]
+
+
+def build_strategy(cfg, ctx, model, optimizer) -> Strategy:
+    return entry(cfg).make(cfg, ctx, model, optimizer)
+
+
+def wait_for(cfg, pushers: int) -> int:
+    """Gradients a synchronous shard needs per version: all, less the backups."""
+    return pushers - (cfg.strategy.backup_workers if cfg.strategy.name == "backup" else 0)

@@ -1,0 +1,46 @@
+"""All-reduce: no parameter server; replicas average gradients and step identical optimizers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .base import Strategy
+
+
+def average_(grads: list[torch.Tensor], group, size: int, counters, what: str) -> None:
+    """All-reduce the gradients of `group` into their mean, in place.
+
+    One flat buffer: one collective per step instead of one per tensor. Bytes
+    are counted as a ring all-reduce moves them: 2(n-1)/n of the buffer sent
+    and received by each process.
+    """
+    flat = _flatten_dense_tensors(grads)
+    with counters.timed(what):
+        dist.all_reduce(flat, group=group)  # collective; blocks until every member joins
+    flat /= size
+    moved = int(2 * (size - 1) / size * flat.numel() * flat.element_size())
+    if what == "intra_s":
+        counters.intra_bytes += moved
+    else:
+        counters.bytes_sent += moved
+        counters.bytes_recv += moved
+    for g, v in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(v)
+
+
+class AllReduce(Strategy):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.world = len(self.ctx.plan.workers)
+
+    def step(self, lr: float) -> None:
+        if self.ctx.workers_group is not None:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            average_([p.grad for p in self.params], self.ctx.workers_group, self.world, self.counters, "comm_s")
+        self.set_lr(lr)
+        self.optimizer.step()
+        self.counters.steps += 1

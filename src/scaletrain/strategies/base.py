@@ -1,0 +1,60 @@
+"""The one interface every synchronisation strategy implements.
+
+A strategy wraps the replica's model and optimizer. The train loop runs
+forward and backward, then calls `step(lr)`; when it returns, the replica's
+parameters hold the values to compute the next batch on. The loop never
+asks which strategy it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..dist import Context
+
+
+@dataclass
+class Counters:
+    """Traffic and time, counted where this process calls send/recv/collectives."""
+
+    bytes_sent: int = 0   # between nodes: to the PS, or this process's share of an all-reduce
+    bytes_recv: int = 0
+    intra_bytes: int = 0  # sent inside the node (gradient averaging, parameter broadcast)
+    intra_s: float = 0.0  # averaging inside the node
+    comm_s: float = 0.0   # all-reduce between nodes, or push/pull waiting on the PS
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, what: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, what, getattr(self, what) + time.perf_counter() - t0)
+
+
+class Strategy:
+    uses_ps = False
+
+    def __init__(self, cfg, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.cfg, self.ctx, self.model, self.optimizer = cfg, ctx, model, optimizer
+        self.params = [p for p in model.parameters()]
+        self.counters = Counters()
+
+    def step(self, lr: float) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Called once after the last step (e.g. to release the PS)."""
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]

@@ -1,0 +1,85 @@
+"""The worker side of the parameter-server strategies (sync, mixed-async, async, backup).
+
+Per step: average inside the node (unless every replica pushes on its own),
+then the pusher sends to each PS shard its slice of the gradient tagged with
+the shard version it was computed on, receives the shard's current values,
+and shares them inside the node. What the shard does with the gradient
+(wait for all nodes, for the first N-b, or apply at once) is the server's
+mode; this side is the same for all four.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..ps import protocol as P
+from ..ps.sharding import gather, make_layout, scatter_
+from .allreduce import average_
+from .base import Strategy
+
+
+class PSClient(Strategy):
+    uses_ps = True
+
+    def __init__(self, cfg, ctx, model, optimizer, per_node: bool) -> None:
+        super().__init__(cfg, ctx, model, optimizer)
+        self.per_node = per_node
+        self.group = ctx.node_group if per_node else None
+        self.group_size = len(ctx.node_workers()) if per_node else 1
+        self.pusher = not per_node or ctx.me.replica == 0
+        self.leader = ctx.node_workers()[0] if per_node else ctx.rank
+        self.layout = make_layout([p.numel() for p in self.params], cfg.cluster.num_ps, cfg.cluster.sharding)
+        self.servers = [p.rank for p in ctx.plan.ps]
+        self.versions = [0] * len(self.servers)
+
+    def step(self, lr: float) -> None:
+        grads = self.grads()
+        if self.group is not None:
+            average_(grads, self.group, self.group_size, self.counters, "intra_s")
+        if self.pusher:
+            with self.counters.timed("comm_s"):
+                self._push_pull([g.detach().cpu() for g in grads])
+        if self.group is not None:
+            flat = _flatten_dense_tensors([p.data for p in self.params])
+            with self.counters.timed("intra_s"):
+                dist.broadcast(flat, src=self.leader, group=self.group)  # collective: leader's new values
+            if self.pusher:
+                self.counters.intra_bytes += flat.numel() * flat.element_size()
+            for p, v in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
+                p.data.copy_(v)
+        self.counters.steps += 1
+
+    def _push_pull(self, grads: list[torch.Tensor]) -> None:
+        replies, works = [], []
+        for k, server in enumerate(self.servers):
+            n = self.layout.numel(k)
+            hdr, vals = torch.zeros(P.HEADER, dtype=torch.int64), torch.empty(n)
+            # Post the receives first: the server answers as soon as it has applied.
+            works += [dist.irecv(hdr, src=server, tag=P.TAG_REPLY_HDR),
+                      dist.irecv(vals, src=server, tag=P.TAG_REPLY_VALS)]
+            replies.append((hdr, vals))
+            out = gather(grads, self.layout.shards[k])
+            works += [dist.isend(P.header(self.versions[k], P.PUSH), dst=server, tag=P.TAG_HDR),
+                      dist.isend(out, dst=server, tag=P.TAG_VALS)]
+            self.counters.bytes_sent += P.HEADER * 8 + out.numel() * out.element_size()
+        for w in works:
+            w.wait()  # point-to-point; returns when the shard has answered
+        device = self.params[0].device
+        cpu_params = [p.detach().cpu() for p in self.params] if device.type != "cpu" else self.params
+        for k, (hdr, vals) in enumerate(replies):
+            self.versions[k] = int(hdr[0])
+            self.counters.bytes_recv += P.HEADER * 8 + vals.numel() * vals.element_size()
+            scatter_(cpu_params, self.layout.shards[k], vals)
+        if device.type != "cpu":
+            with torch.no_grad():
+                for p, c in zip(self.params, cpu_params):
+                    p.copy_(c, non_blocking=True)
+
+    def finish(self) -> None:
+        if self.pusher:
+            for server in self.servers:
+                dist.send(P.header(0, P.STOP), dst=server, tag=P.TAG_HDR)
