@@ -15,11 +15,16 @@ FIELDS = ("is_ps", "node", "images", "timed_s", "bytes_sent", "bytes_recv", "int
           "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher")
 
 
-def pack(**values: float) -> torch.Tensor:
-    vec = torch.zeros(len(FIELDS) + HIST_BINS, dtype=torch.float64)
+def pack(world_size: int, **values) -> torch.Tensor:
+    """[fields..., staleness histogram, per-sender staleness sums, per-sender counts]."""
+    n, h = len(FIELDS), HIST_BINS
+    vec = torch.zeros(n + h + 2 * world_size, dtype=torch.float64)
     for k, v in values.items():
         if k == "hist":
-            vec[len(FIELDS):] = v.double()
+            vec[n:n + h] = v.double()
+        elif k == "by_sender":  # PS: {sender rank: (staleness sum, count)}
+            for r, (total, count) in v.items():
+                vec[n + h + r], vec[n + h + world_size + r] = total, count
         else:
             vec[FIELDS.index(k)] = float(v)
     return vec
@@ -28,7 +33,9 @@ def pack(**values: float) -> torch.Tensor:
 def gather_all(vec: torch.Tensor, world_size: int) -> list[dict]:
     out = [torch.zeros_like(vec) for _ in range(world_size)]
     dist.all_gather(out, vec)  # collective over the whole world, PS included
-    return [dict(zip(FIELDS, v[:len(FIELDS)].tolist()), hist=v[len(FIELDS):].long()) for v in out]
+    n, h = len(FIELDS), HIST_BINS
+    return [dict(zip(FIELDS, v[:n].tolist()), hist=v[n:n + h].long(), stale_sum=v[n + h:n + h + world_size],
+                 stale_count=v[n + h + world_size:]) for v in out]
 
 
 def percentile(hist: torch.Tensor, q: float) -> int:
@@ -41,7 +48,7 @@ def percentile(hist: torch.Tensor, q: float) -> int:
 
 def summarize(rows: list[dict], num_ps: int, nodes: int) -> dict:
     """Job-wide figures from every process's row."""
-    workers = [r for r in rows if not r["is_ps"]]
+    workers = [dict(r, rank=i) for i, r in enumerate(rows) if not r["is_ps"]]
     ps = [r for r in rows if r["is_ps"]]
     pushers = [r for r in workers if r["pusher"]]
     out = {
@@ -54,6 +61,10 @@ def summarize(rows: list[dict], num_ps: int, nodes: int) -> dict:
         },
     }
     if ps:
+        ssum, scount = sum(r["stale_sum"] for r in ps), sum(r["stale_count"] for r in ps)
+        for w in workers:
+            if scount[w["rank"]] > 0:
+                w["staleness_mean"] = float(ssum[w["rank"]] / scount[w["rank"]])
         hist = sum(r["hist"] for r in ps)
         n = int(hist.sum())
         mean = float((hist * torch.arange(len(hist))).sum()) / n if n else 0.0
@@ -72,6 +83,10 @@ def summarize(rows: list[dict], num_ps: int, nodes: int) -> dict:
         })
         out["bytes_per_step"]["ps_sent"] = _mean(r["bytes_sent"] / max(steps, 1) for r in ps)
         out["bytes_per_step"]["ps_recv"] = _mean(r["bytes_recv"] / max(steps, 1) for r in ps)
+    out["per_worker"] = [{"rank": w["rank"], "node": int(w["node"]), "steps": int(w["steps"]),
+                          "images_per_sec": w["images"] / w["timed_s"] if w["timed_s"] > 0 else 0.0,
+                          **({"staleness_mean": w["staleness_mean"]} if "staleness_mean" in w else {})}
+                         for w in workers]
     return out
 
 

@@ -240,7 +240,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     job = {}
     if ctx.distributed:
         rows = stats.gather_all(stats.pack(
-            node=ctx.me.node, images=sum(win_images), timed_s=sum(win_seconds), bytes_sent=c.bytes_sent,
+            ctx.plan.world_size, node=ctx.me.node, images=sum(win_images), timed_s=sum(win_seconds), bytes_sent=c.bytes_sent,
             bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=compute_s,
             intra_s=c.intra_s, comm_s=c.comm_s, pusher=getattr(strategy, "pusher", True)), ctx.plan.world_size)
         job = stats.summarize(rows, cfg.cluster.num_ps, cfg.cluster.nodes)

@@ -28,6 +28,8 @@ def run(run_dir: Path, resume: bool, progress: bool) -> int:
     if not cfg.train.threads:
         torch.set_num_threads(int(os.environ.get("SCALETRAIN_THREADS", "1")))
     strat = entry(cfg)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "logs" / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")  # for operators and failure tests
     ctx = sdist.init(cfg, rank, world, strat.uses_ps)
     try:
         if ctx.me.role == "ps":
@@ -65,7 +67,7 @@ def serve(cfg, ctx) -> None:
     shard = Shard(cfg, ctx.me.index, pushers, e.server, wait_for(cfg, len(pushers)), total_steps(cfg, per_epoch))
     shard.serve()
     stats.gather_all(stats.pack(
-        is_ps=1, node=ctx.me.node, bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, steps=shard.applied,
+        ctx.plan.world_size, by_sender=shard.by_sender, is_ps=1, node=ctx.me.node, bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, steps=shard.applied,
         dropped=shard.dropped, applied=shard.applied, stale_max=shard.stale_max,
         shard_bytes=shard.values.numel() * shard.values.element_size(), pusher=0, hist=shard.hist),
         ctx.plan.world_size)

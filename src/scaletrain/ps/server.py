@@ -41,6 +41,7 @@ class Shard:
         self.version = 0
         self.hist = torch.zeros(HIST_BINS, dtype=torch.int64)
         self.stale_max, self.dropped, self.applied = 0, 0, 0
+        self.by_sender = {r: [0, 0] for r in pushers}  # staleness sum and count of each pusher
         self.bytes_sent = self.bytes_recv = 0
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
@@ -58,7 +59,7 @@ class Shard:
             dist.recv(grad, src=src, tag=P.TAG_VALS)
             self.bytes_recv += grad.numel() * grad.element_size()
             if self.mode == "async":
-                self._record(self.version - version)
+                self._record(src, self.version - version)
                 self._apply(grad, step=self.version // len(self.pushers))
                 self._reply([src])
             elif version == self.version:
@@ -71,8 +72,8 @@ class Shard:
 
     def _maybe_apply(self) -> None:
         if self.pending and len(self.pending) >= min(self.wait_for, len(self.active)):
-            for _ in self.pending:
-                self._record(0)
+            for src in self.pending:
+                self._record(src, 0)
             self._apply(self.acc / len(self.pending), step=self.version)
             self.acc.zero_()
             senders, self.pending = self.pending, []
@@ -86,8 +87,10 @@ class Shard:
         self.version += 1
         self.applied += 1
 
-    def _record(self, staleness: int) -> None:
+    def _record(self, src: int, staleness: int) -> None:
         self.hist[min(staleness, HIST_BINS - 1)] += 1
+        self.by_sender[src][0] += staleness
+        self.by_sender[src][1] += 1
         self.stale_max = max(self.stale_max, staleness)
 
     def _reply(self, dsts: list[int]) -> None:

@@ -7,7 +7,6 @@ strategies, the server's mode: how many node gradients a shard waits for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 from .allreduce import AllReduce
@@ -25,10 +24,10 @@ class Entry:
 
 REGISTRY: dict[str, Entry] = {
     "allreduce": Entry(AllReduce, uses_ps=False),
-    "sync": Entry(partial(PSClient, per_node=True), uses_ps=True, server="sync"),
-    "backup": Entry(partial(PSClient, per_node=True), uses_ps=True, server="sync"),
-    "mixed-async": Entry(partial(PSClient, per_node=True), uses_ps=True, server="async"),
-    "async": Entry(partial(PSClient, per_node=False), uses_ps=True, server="async"),
+    "sync": Entry(PSClient, uses_ps=True, server="sync"),
+    "backup": Entry(PSClient, uses_ps=True, server="sync"),
+    "mixed-async": Entry(PSClient, uses_ps=True, server="async"),
+    "async": Entry(PSClient, uses_ps=True, server="async", per_node=False),
 }
 
 
@@ -37,7 +36,8 @@ def entry(cfg) -> Entry:
 
 
 def build_strategy(cfg, ctx, model, optimizer) -> Strategy:
-    return entry(cfg).make(cfg, ctx, model, optimizer)
+    e = entry(cfg)
+    return e.make(cfg, ctx, model, optimizer, per_node=e.per_node) if e.uses_ps else e.make(cfg, ctx, model, optimizer)
 
 
 def wait_for(cfg, pushers: int) -> int:

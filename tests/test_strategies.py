@@ -1,0 +1,99 @@
+"""Every strategy with real processes and gloo on CPU, against single-process references."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scaletrain.cli import main
+
+from conftest import RECIPES
+
+EXACT = ["model.norm=group", "optim.name=sgd", "optim.weight_decay=1e-4", "optim.schedule=constant",
+         "optim.warmup_steps=0", "data.augment=none", "train.deterministic=true", "train.steps=5",
+         "data.workers=0", "train.log_every=1", "train.warmup_log_steps=0"]
+
+
+def run(tmp_path, name, *overrides):
+    run_dir = tmp_path / name
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet"]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 0, (run_dir / "logs").exists() and sorted((run_dir / "logs").glob("*.log"))
+    return json.loads((run_dir / "summary.json").read_text()), load_file(str(run_dir / "model.safetensors"))
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def cluster(nodes, gpus, ps=0, strategy="allreduce", *more):
+    return [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}", f"cluster.num_ps={ps}",
+            f"strategy.name={strategy}", *more]
+
+
+def test_strategies_equal_single_process_exactly(tmp_path):
+    b = 8
+    _, single = run(tmp_path, "single", *EXACT, f"data.batch_size={4 * b}")
+    s_sync, sync = run(tmp_path, "sync", *EXACT, f"data.batch_size={b}", *cluster(2, 2, 1, "sync"))
+    _, allreduce = run(tmp_path, "allreduce", *EXACT, f"data.batch_size={b}", *cluster(2, 2))
+    assert s_sync["replicas"] == 4 and s_sync["num_ps"] == 1 and s_sync["staleness_max"] == 0
+    assert max_diff(single, sync) <= 1e-5
+    assert max_diff(single, allreduce) <= 1e-5
+    _, three_ps = run(tmp_path, "sync3", *EXACT, f"data.batch_size={b}",
+                      *cluster(2, 2, 3, "sync", "cluster.ps_placement=dedicated", "cluster.sharding=round-robin"))
+    _, backup0 = run(tmp_path, "backup0", *EXACT, f"data.batch_size={b}", *cluster(2, 2, 1, "backup"))
+    assert max_diff(sync, three_ps) <= 1e-5
+    assert max_diff(sync, backup0) <= 1e-5
+    # and the comparison can fail: one more step is a different model
+    _, longer = run(tmp_path, "longer", *EXACT, "train.steps=6", f"data.batch_size={4 * b}")
+    assert max_diff(single, longer) > 1e-4
+
+
+def test_mixed_async_on_one_node_equals_sync(tmp_path):
+    b = 8
+    _, sync = run(tmp_path, "sync", *EXACT, f"data.batch_size={b}", *cluster(1, 2, 1, "sync"))
+    s, mixed = run(tmp_path, "mixed", *EXACT, f"data.batch_size={b}", *cluster(1, 2, 1, "mixed-async"))
+    assert s["staleness_mean"] == 0
+    assert max_diff(sync, mixed) <= 1e-5
+
+
+def test_mixed_async_staleness_and_accuracy(tmp_path):
+    s, _ = run(tmp_path, "equal", *cluster(4, 1, 1, "mixed-async"), "data.workers=0", "train.eval_every=0")
+    assert 1.5 <= s["staleness_mean"] <= 4.5, s["staleness_hist"]  # theory: N - 1 = 3
+    assert s["test_accuracy"] >= 0.85
+
+
+def test_slow_node_is_staler_and_does_not_hold_others_back(tmp_path):
+    s, _ = run(tmp_path, "slow", *cluster(4, 1, 1, "mixed-async", "strategy.slow_node=3",
+                                          "strategy.slow_delay_s=0.05"), "data.workers=0", "train.steps=80",
+               "train.eval_every=0")
+    by_node = {w["node"]: w for w in s["per_worker"]}
+    fast = [by_node[n] for n in (0, 1, 2)]
+    assert by_node[3]["staleness_mean"] > max(w["staleness_mean"] for w in fast)
+    assert min(w["images_per_sec"] for w in fast) > 2 * by_node[3]["images_per_sec"]
+
+
+def test_backup_workers_keep_pace_and_drop(tmp_path):
+    slow = ["strategy.slow_node=2", "strategy.slow_delay_s=0.1", "data.workers=0", "train.steps=30",
+            "train.eval_every=0", "train.log_every=5"]
+    s1, _ = run(tmp_path, "b1", *cluster(3, 1, 1, "backup", "strategy.backup_workers=1"), *slow)
+    s0, _ = run(tmp_path, "b0", *cluster(3, 1, 1, "backup", "strategy.backup_workers=0"), *slow)
+    fast1 = min(w["images_per_sec"] for w in s1["per_worker"] if w["node"] != 2)
+    fast0 = max(w["images_per_sec"] for w in s0["per_worker"] if w["node"] != 2)
+    slow0 = next(w["images_per_sec"] for w in s0["per_worker"] if w["node"] == 2)
+    assert s1["dropped_gradients"] > 0 and s0["dropped_gradients"] == 0
+    assert fast1 > 2 * fast0  # b=1: the fast nodes do not wait for the straggler
+    assert fast0 < 1.3 * slow0  # b=0: everyone runs at the straggler's pace
+
+
+def test_traffic_per_node(tmp_path):
+    common = ["data.workers=0", "train.steps=10", "train.eval_every=0"]
+    mixed, _ = run(tmp_path, "mixed", *cluster(2, 2, 1, "mixed-async"), *common)
+    asyn, _ = run(tmp_path, "async", *cluster(2, 2, 1, "async", "cluster.sharding=round-robin"), *common)
+    grad_bytes = mixed["parameters"] * 4
+    assert mixed["ps_bytes_per_node_step"] == pytest.approx(2 * grad_bytes, rel=0.02)
+    assert asyn["ps_bytes_per_node_step"] / mixed["ps_bytes_per_node_step"] == pytest.approx(2, rel=0.02)
+    assert mixed["shard_bytes"]["max_over_mean"] == 1.0
+    assert asyn["shard_bytes"]["max_over_mean"] == 1.0  # one shard: whole model either way
