@@ -91,9 +91,10 @@ def test_backup_workers_keep_pace_and_drop(tmp_path):
 def test_traffic_per_node(tmp_path):
     common = ["data.workers=0", "train.steps=10", "train.eval_every=0"]
     mixed, _ = run(tmp_path, "mixed", *cluster(2, 2, 1, "mixed-async"), *common)
-    asyn, _ = run(tmp_path, "async", *cluster(2, 2, 1, "async", "cluster.sharding=round-robin"), *common)
+    asyn, _ = run(tmp_path, "async", *cluster(2, 2, 2, "async", "cluster.sharding=round-robin"), *common)
     grad_bytes = mixed["parameters"] * 4
     assert mixed["ps_bytes_per_node_step"] == pytest.approx(2 * grad_bytes, rel=0.02)
     assert asyn["ps_bytes_per_node_step"] / mixed["ps_bytes_per_node_step"] == pytest.approx(2, rel=0.02)
-    assert mixed["shard_bytes"]["max_over_mean"] == 1.0
-    assert asyn["shard_bytes"]["max_over_mean"] == 1.0  # one shard: whole model either way
+    assert mixed["shard_bytes"]["max_over_mean"] == 1.0  # one shard
+    # round-robin over 2 shards: whole tensors alternate, resnet8's split is uneven
+    assert asyn["shard_bytes"]["max_over_mean"] == pytest.approx(1.16, abs=0.01)

@@ -1,0 +1,81 @@
+"""Images/s of every strategy at the same replica count on this machine, in one run.
+
+Each strategy runs as a real local job (processes, gloo); the single-process
+figure is given for reference. Prints one JSON object.
+
+    python benchmarks/strategies.py [--nodes 2 --gpus-per-node 2 --steps 60 --model resnet8 --image-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from scaletrain.cli import main as cli
+from scaletrain.metrics import run_info
+from scaletrain.strategies import REGISTRY
+
+import torch
+
+
+@contextmanager
+def stdout_to_stderr():
+    """Runs print progress (and their child processes inherit fd 1): keep stdout for the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(recipe: Path, overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as d, stdout_to_stderr():
+        args = ["train", "--recipe", str(recipe), "--run-dir", d, "--quiet"]
+        for o in overrides:
+            args += ["--set", o]
+        if cli(args) != 0:
+            raise SystemExit(f"benchmark run failed: {' '.join(overrides)}")
+        return json.loads((Path(d) / "summary.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parents[1] / "recipes" / "digits.toml")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--gpus-per-node", type=int, default=2)
+    ap.add_argument("--num-ps", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=32)
+    a = ap.parse_args()
+    base = [f"train.steps={a.steps}", "train.eval_every=0", "train.warmup_log_steps=5", "data.workers=0",
+            "train.log_every=5", f"data.batch_size={a.batch}"]
+    replicas = a.nodes * a.gpus_per_node
+    single = run(a.recipe, base)
+    rows = []
+    for name, e in REGISTRY.items():
+        extra = ["strategy.backup_workers=1"] if name == "backup" and a.nodes > 1 else []
+        s = run(a.recipe, base + [f"strategy.name={name}", f"cluster.nodes={a.nodes}",
+                                  f"cluster.gpus_per_node={a.gpus_per_node}",
+                                  f"cluster.num_ps={a.num_ps if e.uses_ps else 0}", *extra])
+        rows.append({"strategy": name, "images_per_sec": s["images_per_sec"],
+                     "speedup_vs_single": s["images_per_sec"] / single["images_per_sec"],
+                     "staleness_mean": s.get("staleness_mean"), "dropped_gradients": s.get("dropped_gradients"),
+                     "bytes_per_step": s["bytes_per_step"], "time_split_s": s["time_split_s"]})
+    print(json.dumps({"benchmark": "strategies", "replicas": replicas, "nodes": a.nodes,
+                      "gpus_per_node": a.gpus_per_node, "num_ps": a.num_ps, "steps": a.steps,
+                      "batch_per_replica": a.batch, "model": single["model"],
+                      "single_process_images_per_sec": single["images_per_sec"], "strategies": rows,
+                      **run_info(torch.device("cpu"))}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
