@@ -1,6 +1,7 @@
 """Every strategy with real processes and gloo on CPU, against single-process references."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -98,3 +99,19 @@ def test_traffic_per_node(tmp_path):
     assert mixed["shard_bytes"]["max_over_mean"] == 1.0  # one shard
     # round-robin over 2 shards: whole tensors alternate, resnet8's split is uneven
     assert asyn["shard_bytes"]["max_over_mean"] == pytest.approx(1.16, abs=0.01)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (cluster(2, 1, 3, "sync"), r"cluster\.num_ps = 3 > cluster\.nodes = 2"),
+    (cluster(2, 1, 0, "sync"), r"needs at least one parameter server"),
+    (cluster(2, 1, 1, "allreduce"), r"uses no parameter server"),
+    (cluster(2, 1, 1, "backup", "strategy.backup_workers=2"), r"strategy\.backup_workers = 2: must be below"),
+])
+def test_invalid_cluster_fails_before_start(tmp_path, capsys, overrides, pattern):
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(tmp_path / "r")]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(pattern, err[0]), err
+    assert not (tmp_path / "r" / "logs").exists()

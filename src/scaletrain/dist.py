@@ -45,6 +45,7 @@ class Context:
     workers_group: object = None  # all workers (None when alone)
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
     _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
 
     @property
     def rank(self) -> int:
@@ -107,7 +108,8 @@ def init(cfg: Config, rank: int, world_size: int, ps_required: bool) -> Context:
     g = dist.new_group([p.rank for p in plan.workers], timeout=timeout, backend=local_backend)
     if ctx.me.role == "worker" and len(plan.workers) > 1:
         ctx.workers_group = g
-    threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat").start()
+    ctx._thread = threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat")
+    ctx._thread.start()
     return ctx
 
 
@@ -149,6 +151,7 @@ def finish(ctx: Context) -> None:
     if not ctx.distributed:
         return
     ctx._stop.set()
+    ctx._thread.join()  # the store client is not shared across threads
     _store().set(f"done/{ctx.rank}", "1")
     dist.barrier()
     dist.destroy_process_group()
