@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,6 @@ class Counters:
     intra_s: float = 0.0  # averaging inside the node
     comm_s: float = 0.0   # all-reduce between nodes, or push/pull waiting on the PS
     steps: int = 0
-    extra: dict = field(default_factory=dict)
 
     @contextmanager
     def timed(self, what: str):
