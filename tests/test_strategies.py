@@ -115,3 +115,12 @@ def test_invalid_cluster_fails_before_start(tmp_path, capsys, overrides, pattern
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(pattern, err[0]), err
     assert not (tmp_path / "r" / "logs").exists()
+
+
+def test_resume_of_ps_run_refused_before_start(tmp_path, capsys):
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(tmp_path / "r"), "--resume",
+            *sum((["--set", o] for o in cluster(2, 1, 1, "sync")), [])]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoints do not hold yet" in err[0], err
+    assert not (tmp_path / "r").exists()

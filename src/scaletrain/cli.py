@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             from .launch.local import LaunchError, launch
 
             try:
-                prepare_run_dir(run_dir, args.resume)
+                prepare_run_dir(run_dir, args.resume, cfg)
                 rc = launch(cfg, run_dir, resume=args.resume, progress=not args.quiet)
             except (PlanError, LaunchError) as e:
                 print(f"scaletrain: error: {e}", file=sys.stderr)

@@ -66,12 +66,17 @@ class Context:
     def node_workers(self) -> list[int]:
         return [p.rank for p in self.plan.workers if p.node == self.me.node]
 
-    def lost(self, err: BaseException) -> PeerLost:
-        """Turn a communication error into one naming the missing peers."""
+    def lost(self, err: BaseException) -> PeerLost | None:
+        """The error naming the missing peers, or None when every peer is alive
+        (then `err` is not a lost peer's doing)."""
+        if not self.distributed:
+            return None
         deadline = time.time() + STALE_S + 2
         while not self.gone and time.time() < deadline:  # a dead peer's heartbeat needs a moment to age
             time.sleep(HEARTBEAT_S)
-        who = ", ".join(self.describe(r) for r in self.gone) or "an unknown peer"
+        if not self.gone:
+            return None
+        who = ", ".join(self.describe(r) for r in self.gone)
         return PeerLost(f"{self.describe(self.rank)}: lost contact with {who}: {str(err).splitlines()[0]}")
 
 

@@ -46,7 +46,7 @@ def percentile(hist: torch.Tensor, q: float) -> int:
     return int(torch.searchsorted(cum, torch.tensor(q * total, dtype=cum.dtype)).item())
 
 
-def summarize(rows: list[dict], num_ps: int, nodes: int) -> dict:
+def summarize(rows: list[dict], nodes: int) -> dict:
     """Job-wide figures from every process's row."""
     workers = [dict(r, rank=i) for i, r in enumerate(rows) if not r["is_ps"]]
     ps = [r for r in rows if r["is_ps"]]

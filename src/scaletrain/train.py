@@ -87,7 +87,11 @@ def _usable(batch: Batch, policy: str, bad: set[str], device: torch.device):
     return batch.x.to(device, non_blocking=True), batch.y.to(device, non_blocking=True)
 
 
-def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> None:
+    """Checks made before any process starts, then the directory."""
+    if resume and entry(cfg).uses_ps:
+        raise RunError(f"--resume: strategy.name = {cfg.strategy.name!r} keeps optimizer state on the "
+                       "parameter servers, which checkpoints do not hold yet; restart the run")
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume and checkpoint.list_complete(run_dir / "checkpoints"):
         raise RunError(f"{run_dir} already holds checkpoints of a run; pass --resume to continue it "
@@ -100,8 +104,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     ctx = ctx or single()
     chief = ctx.is_chief
     run_dir = Path(run_dir)
-    if chief:
-        prepare_run_dir(run_dir, resume)
+    if not ctx.distributed:  # a launcher checked it before starting the processes
+        prepare_run_dir(run_dir, resume, cfg)
     setup_process(cfg)
     device = pick_device(cfg) if ctx.me.device == "cpu" or not ctx.distributed else torch.device(ctx.me.device)
     torch.manual_seed(cfg.train.seed)
@@ -118,9 +122,6 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     total = total_steps(cfg, per_epoch)
 
     start, best, bad, resumed_from = 0, None, set(), None
-    if resume and entry(cfg).uses_ps:
-        raise RunError(f"--resume: strategy.name = {cfg.strategy.name!r} keeps optimizer state on the "
-                       "parameter servers, which checkpoints do not hold yet; restart the run")
     if resume:
         found = checkpoint.load_latest(run_dir / "checkpoints")
         if found is None:
@@ -242,8 +243,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         rows = stats.gather_all(stats.pack(
             ctx.plan.world_size, node=ctx.me.node, images=sum(win_images), timed_s=sum(win_seconds), bytes_sent=c.bytes_sent,
             bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=compute_s,
-            intra_s=c.intra_s, comm_s=c.comm_s, pusher=getattr(strategy, "pusher", True)), ctx.plan.world_size)
-        job = stats.summarize(rows, cfg.cluster.num_ps, cfg.cluster.nodes)
+            intra_s=c.intra_s, comm_s=c.comm_s, pusher=strategy.pusher), ctx.plan.world_size)
+        job = stats.summarize(rows, cfg.cluster.nodes)
     if not chief:
         return {}
     from safetensors.torch import save_file

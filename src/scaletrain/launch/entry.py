@@ -20,6 +20,7 @@ from ..config import load_config
 from ..data import DataError
 from ..models import PretrainedError
 from ..strategies import entry, wait_for
+from ..train import RunError, total_steps, train
 
 
 def run(run_dir: Path, resume: bool, progress: bool) -> int:
@@ -35,42 +36,43 @@ def run(run_dir: Path, resume: bool, progress: bool) -> int:
         if ctx.me.role == "ps":
             serve(cfg, ctx)
         else:
-            from ..train import train
-
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
-    except (DataError, PretrainedError) as e:
+    except (DataError, PretrainedError, RunError) as e:
         print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
         sdist.abort(ctx)
         return 1
     except KeyboardInterrupt:
         sdist.abort(ctx)
         return 130
-    except Exception as e:  # noqa: BLE001 - communication errors become one line naming the peer
-        if ctx.gone or "Connection" in str(e) or "Timed out" in str(e) or "timeout" in str(e).lower():
-            print(f"scaletrain: error: {ctx.lost(e)}", file=sys.stderr, flush=True)
-            sdist.abort(ctx)
-            return 1
-        raise
+    except Exception as e:  # noqa: BLE001 - a lost peer's error becomes one line naming it
+        lost = ctx.lost(e)
+        if lost is None:
+            raise
+        print(f"scaletrain: error: {lost}", file=sys.stderr, flush=True)
+        sdist.abort(ctx)
+        return 1
     sdist.finish(ctx)
     return 0
 
 
 def serve(cfg, ctx) -> None:
-    from ..data import build_datasets
     from ..ps.server import Shard
-    from ..train import total_steps
 
     e = entry(cfg)
     pushers = ctx.plan.leaders if e.per_node else [p.rank for p in ctx.plan.workers]
-    train_set, _, _ = build_datasets(cfg)
-    per_epoch = len(train_set) // (cfg.data.batch_size * len(ctx.plan.workers))
-    shard = Shard(cfg, ctx.me.index, pushers, e.server, wait_for(cfg, len(pushers)), total_steps(cfg, per_epoch))
+    total = cfg.train.steps
+    if not total:  # the schedule's length comes from the epoch size; only then is the data read
+        from ..data import build_datasets
+
+        per_epoch = len(build_datasets(cfg)[0]) // (cfg.data.batch_size * len(ctx.plan.workers))
+        total = total_steps(cfg, per_epoch)
+    shard = Shard(cfg, ctx.me.index, pushers, e.server, wait_for(cfg, len(pushers)), total)
     shard.serve()
     stats.gather_all(stats.pack(
-        ctx.plan.world_size, by_sender=shard.by_sender, is_ps=1, node=ctx.me.node, bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, steps=shard.applied,
-        dropped=shard.dropped, applied=shard.applied, stale_max=shard.stale_max,
-        shard_bytes=shard.values.numel() * shard.values.element_size(), pusher=0, hist=shard.hist),
-        ctx.plan.world_size)
+        ctx.plan.world_size, is_ps=1, node=ctx.me.node, pusher=0, steps=shard.applied, applied=shard.applied,
+        bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, dropped=shard.dropped,
+        stale_max=shard.stale_max, shard_bytes=shard.values.numel() * shard.values.element_size(),
+        hist=shard.hist, by_sender=shard.by_sender), ctx.plan.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:

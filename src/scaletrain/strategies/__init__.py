@@ -20,12 +20,13 @@ class Entry:
     uses_ps: bool
     server: str = ""      # "sync": wait for a version's gradients | "async": apply each at once
     per_node: bool = True  # one pusher per node (averaged inside) or one per replica
+    backups: bool = False  # a version may go without strategy.backup_workers node gradients
 
 
 REGISTRY: dict[str, Entry] = {
     "allreduce": Entry(AllReduce, uses_ps=False),
     "sync": Entry(PSClient, uses_ps=True, server="sync"),
-    "backup": Entry(PSClient, uses_ps=True, server="sync"),
+    "backup": Entry(PSClient, uses_ps=True, server="sync", backups=True),
     "mixed-async": Entry(PSClient, uses_ps=True, server="async"),
     "async": Entry(PSClient, uses_ps=True, server="async", per_node=False),
 }
@@ -37,9 +38,10 @@ def entry(cfg) -> Entry:
 
 def build_strategy(cfg, ctx, model, optimizer) -> Strategy:
     e = entry(cfg)
-    return e.make(cfg, ctx, model, optimizer, per_node=e.per_node) if e.uses_ps else e.make(cfg, ctx, model, optimizer)
+    options = {"per_node": e.per_node} if e.uses_ps else {}
+    return e.make(cfg, ctx, model, optimizer, **options)
 
 
 def wait_for(cfg, pushers: int) -> int:
     """Gradients a synchronous shard needs per version: all, less the backups."""
-    return pushers - (cfg.strategy.backup_workers if cfg.strategy.name == "backup" else 0)
+    return pushers - (cfg.strategy.backup_workers if entry(cfg).backups else 0)

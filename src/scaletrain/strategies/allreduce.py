@@ -37,10 +37,7 @@ class AllReduce(Strategy):
 
     def step(self, lr: float) -> None:
         if self.ctx.workers_group is not None:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            average_([p.grad for p in self.params], self.ctx.workers_group, self.world, self.counters, "comm_s")
+            average_(self.grads(), self.ctx.workers_group, self.world, self.counters, "comm_s")
         self.set_lr(lr)
         self.optimizer.step()
         self.counters.steps += 1

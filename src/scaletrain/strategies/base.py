@@ -38,7 +38,7 @@ class Counters:
 
 
 class Strategy:
-    uses_ps = False
+    pusher = True  # whether this process talks to other nodes itself (PS: only node leaders do)
 
     def __init__(self, cfg, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.cfg, self.ctx, self.model, self.optimizer = cfg, ctx, model, optimizer
@@ -56,4 +56,9 @@ class Strategy:
             g["lr"] = lr
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        """Every parameter's gradient, zeros where backward left none, so all
+        replicas communicate buffers of the same layout."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]

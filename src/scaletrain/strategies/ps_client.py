@@ -10,8 +10,6 @@ mode; this side is the same for all four.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -23,8 +21,6 @@ from .base import Strategy
 
 
 class PSClient(Strategy):
-    uses_ps = True
-
     def __init__(self, cfg, ctx, model, optimizer, per_node: bool) -> None:
         super().__init__(cfg, ctx, model, optimizer)
         self.per_node = per_node
