@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scaletrain.config import OptimConfig
-from scaletrain.optim import RMSpropTF, decayed, loss_fn, lr_at
+from scaletrain.optim import RMSpropTF, build_optimizer, decayed, loss_fn, lr_at, state_keys
 
 
 def test_rmsprop_tf_matches_hand_computed_update():
@@ -52,3 +52,16 @@ def test_schedules():
     cos = OptimConfig(lr=2.0, schedule="cosine")
     assert lr_at(cos, 0, 10) == 2.0 and lr_at(cos, 5, 10) == pytest.approx(1.0) and lr_at(cos, 10, 10) == 0.0
     assert lr_at(OptimConfig(lr=0.3), 999, 10) == 0.3
+
+
+@pytest.mark.parametrize("name,momentum", [("sgd", 0.9), ("sgd", 0.0), ("rmsprop-tf", 0.9)])
+def test_state_keys_name_what_the_optimizer_keeps(name, momentum):
+    """The PS sends a shard's optimizer state as these tensors, in this order."""
+    cfg = OptimConfig(name=name, momentum=momentum)
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = build_optimizer(cfg, [p])
+    p.grad = torch.ones(5)
+    opt.step()
+    state = opt.state[p]
+    assert set(state) == set(state_keys(cfg))
+    assert all(state[k].shape == p.shape for k in state_keys(cfg))

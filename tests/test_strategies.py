@@ -16,9 +16,10 @@ EXACT = ["model.norm=group", "optim.name=sgd", "optim.weight_decay=1e-4", "optim
          "data.workers=0", "train.log_every=1", "train.warmup_log_steps=0"]
 
 
-def run(tmp_path, name, *overrides):
+def run(tmp_path, name, *overrides, resume=False):
     run_dir = tmp_path / name
-    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet"]
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet",
+            *(["--resume"] if resume else [])]
     for o in overrides:
         args += ["--set", o]
     assert main(args) == 0, (run_dir / "logs").exists() and sorted((run_dir / "logs").glob("*.log"))
@@ -117,10 +118,35 @@ def test_invalid_cluster_fails_before_start(tmp_path, capsys, overrides, pattern
     assert not (tmp_path / "r" / "logs").exists()
 
 
-def test_resume_of_ps_run_refused_before_start(tmp_path, capsys):
-    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(tmp_path / "r"), "--resume",
-            *sum((["--set", o] for o in cluster(2, 1, 1, "sync")), [])]
-    assert main(args) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "checkpoints do not hold yet" in err[0], err
-    assert not (tmp_path / "r").exists()
+def latest_checkpoint(run_dir):
+    return torch.load(sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+
+
+@pytest.mark.parametrize("shape", [cluster(2, 2, 2, "sync"), cluster(1, 2, 1, "mixed-async")],
+                         ids=["sync-2x2-2ps", "mixed-async-1x2"])
+def test_ps_resume_is_exact(tmp_path, shape):
+    """Momentum and versions live on the PS shards: a resume that lost either would not match."""
+    setup = [*EXACT, "optim.momentum=0.9", "data.batch_size=8", *shape]
+    shards = int(shape[2].split("=")[1])
+    _, straight = run(tmp_path, "straight", *setup, "train.steps=10")
+    run(tmp_path, "split", *setup, "train.steps=5")
+    ckpt = latest_checkpoint(tmp_path / "split")
+    assert [s["version"] for s in ckpt["ps"]] == [5] * shards
+    assert all(s["optimizer"]["momentum_buffer"].abs().sum() > 0 for s in ckpt["ps"])
+    s, resumed = run(tmp_path, "split", *setup, "train.steps=10", resume=True)
+    assert s["start_step"] == 5 and s["steps"] == 10
+    assert max_diff(straight, resumed) <= 1e-5
+    assert [s["version"] for s in latest_checkpoint(tmp_path / "split")["ps"]] == [10] * shards
+
+
+def test_async_resume_carries_versions(tmp_path):
+    setup = [*cluster(2, 1, 1, "mixed-async"), "data.workers=0", "train.eval_every=0"]
+    run(tmp_path, "r", *setup, "train.steps=30")
+    v1 = latest_checkpoint(tmp_path / "r")["ps"][0]["version"]
+    assert 30 <= v1 <= 60  # the chief's 30 pushes, and some or all of the other node's
+    s, _ = run(tmp_path, "r", *setup, "train.steps=40", resume=True)
+    assert s["start_step"] == 30
+    # With the versions restored, a push is at most the other node's 10 new pushes stale;
+    # a worker that restarted counting from 0 would see staleness >= v1.
+    assert s["staleness_max"] <= 10, s["staleness_hist"]
+    assert latest_checkpoint(tmp_path / "r")["ps"][0]["version"] >= v1 + 10

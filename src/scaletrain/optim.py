@@ -48,6 +48,14 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum)
 
 
+def state_keys(cfg) -> tuple[str, ...]:
+    """Names of the per-parameter state tensors build_optimizer's optimizer
+    keeps once it has stepped, each the parameter's shape."""
+    if cfg.name == "rmsprop-tf":
+        return ("ms", "mom")
+    return ("momentum_buffer",) if cfg.momentum else ()
+
+
 def decayed(model: nn.Module) -> list[torch.Tensor]:
     """The tensors under L2 decay: weights of convolutions and linear layers
     (as TF-slim regularises them), not biases or normalisation scales."""

@@ -20,7 +20,7 @@ from .data import Batch, DataError, build_datasets, test_loader, train_loader
 from .metrics import Progress, Recorder, rate_stats, run_info, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
-from .strategies import build_strategy, entry
+from .strategies import build_strategy
 
 log = logging.getLogger("scaletrain")
 
@@ -89,9 +89,6 @@ def _usable(batch: Batch, policy: str, bad: set[str], device: torch.device):
 
 def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> None:
     """Checks made before any process starts, then the directory."""
-    if resume and entry(cfg).uses_ps:
-        raise RunError(f"--resume: strategy.name = {cfg.strategy.name!r} keeps optimizer state on the "
-                       "parameter servers, which checkpoints do not hold yet; restart the run")
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume and checkpoint.list_complete(run_dir / "checkpoints"):
         raise RunError(f"{run_dir} already holds checkpoints of a run; pass --resume to continue it "
@@ -121,7 +118,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                        f"({len(ctx.plan.workers)} replicas x data.batch_size = {cfg.data.batch_size})")
     total = total_steps(cfg, per_epoch)
 
-    start, best, bad, resumed_from = 0, None, set(), None
+    start, best, bad, resumed_from, state = 0, None, set(), None, None
     if resume:
         found = checkpoint.load_latest(run_dir / "checkpoints")
         if found is None:
@@ -145,6 +142,9 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     replicas = len(ctx.plan.workers)
     loader, _ = train_loader(train_set, cfg, start, total, world=replicas, rank=ctx.me.index, pin=pin)
     strategy = build_strategy(cfg, ctx, model, opt)
+    if state is not None:
+        strategy.restore(state)
+        del state
     evaluation = test_loader(test_set, cfg, pin) if len(test_set) else None
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
@@ -159,7 +159,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         checkpoint.save(run_dir / "checkpoints", step, {
             "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
             "rng": checkpoint.rng_state(), "config": cfg.flat(), "best_test_accuracy": best,
-            "bad": sorted(bad)}, keep=t.keep_checkpoints)
+            "bad": sorted(bad), **strategy.snapshot()}, keep=t.keep_checkpoints)
 
     def run_eval(step: int) -> dict[str, float]:
         nonlocal best
@@ -227,10 +227,10 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 run_eval(done)
             if chief and t.checkpoint_every and done % t.checkpoint_every == 0 and done != total:
                 save_checkpoint(done)
-        strategy.finish()
         final = run_eval(total)
         if chief:
             save_checkpoint(total)
+        strategy.finish()  # after the last snapshot: the PS stop when every pusher has finished
     finally:
         bar.close()
         rec.close()

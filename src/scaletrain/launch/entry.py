@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import dist as sdist
-from .. import stats
+from .. import checkpoint, stats
 from ..config import load_config
 from ..data import DataError
 from ..models import PretrainedError
@@ -34,10 +34,10 @@ def run(run_dir: Path, resume: bool, progress: bool) -> int:
     ctx = sdist.init(cfg, rank, world, strat.uses_ps)
     try:
         if ctx.me.role == "ps":
-            serve(cfg, ctx)
+            serve(cfg, ctx, run_dir, resume)
         else:
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
-    except (DataError, PretrainedError, RunError) as e:
+    except (DataError, PretrainedError, RunError, checkpoint.CheckpointError) as e:
         print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
         sdist.abort(ctx)
         return 1
@@ -55,7 +55,7 @@ def run(run_dir: Path, resume: bool, progress: bool) -> int:
     return 0
 
 
-def serve(cfg, ctx) -> None:
+def serve(cfg, ctx, run_dir: Path, resume: bool) -> None:
     from ..ps.server import Shard
 
     e = entry(cfg)
@@ -67,6 +67,16 @@ def serve(cfg, ctx) -> None:
         per_epoch = len(build_datasets(cfg)[0]) // (cfg.data.batch_size * len(ctx.plan.workers))
         total = total_steps(cfg, per_epoch)
     shard = Shard(cfg, ctx.me.index, pushers, e.server, wait_for(cfg, len(pushers)), total)
+    found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
+    if found is not None:  # the workers load the same file and check its config
+        state, path = found
+        shards = state.get("ps") or []
+        if ctx.me.index >= len(shards):
+            raise checkpoint.CheckpointError(f"{path} holds {len(shards)} parameter-server shards; "
+                                             f"this run has {cfg.cluster.num_ps}")
+        shard.load(shards[ctx.me.index])
+        logging.getLogger("scaletrain").info("PS shard %d resumed from %s at version %d", ctx.me.index, path,
+                                             shard.version)
     shard.serve()
     stats.gather_all(stats.pack(
         ctx.plan.world_size, is_ps=1, node=ctx.me.node, pusher=0, steps=shard.applied, applied=shard.applied,

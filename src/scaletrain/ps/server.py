@@ -11,6 +11,10 @@ of a gradient = shard version when applied - version it was computed on.
   sender gets the current values at once.
 - async: each gradient is applied as it arrives and its sender gets the
   current values back; no pusher waits for another.
+
+A SNAPSHOT request (from the chief, for a checkpoint) is answered at once
+with the version, the values and the optimizer state; `load` puts such a
+snapshot back when a run resumes.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import CheckpointError
 from ..models import build_model
-from ..optim import build_optimizer, lr_at
+from ..optim import build_optimizer, lr_at, state_keys
 from . import protocol as P
 from .sharding import gather, make_layout
 
@@ -55,6 +60,9 @@ class Shard:
             if command == P.STOP:
                 self.active.discard(src)
                 self._maybe_apply()
+                continue
+            if command == P.SNAPSHOT:
+                self._send_state(src)
                 continue
             dist.recv(grad, src=src, tag=P.TAG_VALS)
             self.bytes_recv += grad.numel() * grad.element_size()
@@ -92,6 +100,30 @@ class Shard:
         self.by_sender[src][0] += staleness
         self.by_sender[src][1] += 1
         self.stale_max = max(self.stale_max, staleness)
+
+    def state(self) -> list[torch.Tensor]:
+        """The values, then the optimizer state tensors (none before the first update)."""
+        st = self.optimizer.state.get(self.values, {})
+        return [self.values.detach()] + [st[k] for k in state_keys(self.cfg.optim) if st]
+
+    def _send_state(self, dst: int) -> None:
+        # Checkpoint traffic: not counted in the per-step bytes.
+        tensors = self.state()
+        dist.send(P.header(self.version, len(tensors) - 1), dst=dst, tag=P.TAG_SNAP)
+        for t in tensors:
+            dist.send(t, dst=dst, tag=P.TAG_SNAP)
+
+    def load(self, saved: dict) -> None:
+        """Continue from a snapshot of this shard (see PSClient.snapshot)."""
+        values = saved["values"]
+        if values.shape != self.values.shape:
+            raise CheckpointError(f"the checkpoint holds {values.numel()} values for PS shard {self.index}, "
+                             f"which has {self.values.numel()}")
+        with torch.no_grad():
+            self.values.copy_(values)
+        if saved["optimizer"]:
+            self.optimizer.state[self.values] = {k: v.clone() for k, v in saved["optimizer"].items()}
+        self.version = saved["version"]
 
     def _reply(self, dsts: list[int]) -> None:
         vals = self.values.detach()

@@ -51,6 +51,13 @@ class Strategy:
     def finish(self) -> None:
         """Called once after the last step (e.g. to release the PS)."""
 
+    def snapshot(self) -> dict:
+        """State held outside this process, for the chief's checkpoint (called between steps)."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """Continue from a checkpoint's state (every worker calls it, after loading the model)."""
+
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
             g["lr"] = lr

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..checkpoint import CheckpointError
+from ..optim import state_keys
 from ..ps import protocol as P
 from ..ps.sharding import gather, make_layout, scatter_
 from .allreduce import average_
@@ -74,6 +76,31 @@ class PSClient(Strategy):
             with torch.no_grad():
                 for p, c in zip(self.params, cpu_params):
                     p.copy_(c, non_blocking=True)
+
+    def snapshot(self) -> dict:
+        """Every shard's version, values and optimizer state. Asked between two of
+        this pusher's steps: under sync no shard can pass the version this node
+        has not pushed yet, so all shards are at the same step; asynchronous
+        shards are each taken as the request finds them."""
+        keys, shards = state_keys(self.cfg.optim), []
+        for k, server in enumerate(self.servers):
+            hdr = torch.zeros(P.HEADER, dtype=torch.int64)
+            dist.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
+            dist.recv(hdr, src=server, tag=P.TAG_SNAP)
+            tensors = [torch.empty(self.layout.numel(k)) for _ in range(1 + int(hdr[1]))]
+            for t in tensors:
+                dist.recv(t, src=server, tag=P.TAG_SNAP)
+            shards.append({"version": int(hdr[0]), "values": tensors[0],
+                           "optimizer": dict(zip(keys, tensors[1:]))})
+        return {"ps": shards}
+
+    def restore(self, state: dict) -> None:
+        shards = state.get("ps") or []
+        if len(shards) != len(self.servers):
+            raise CheckpointError(f"the checkpoint holds {len(shards)} PS shards; this run has {len(self.servers)}")
+        for k, shard in enumerate(shards):
+            scatter_(self.params, self.layout.shards[k], shard["values"])
+        self.versions = [shard["version"] for shard in shards]
 
     def finish(self) -> None:
         if self.pusher:
