@@ -1,5 +1,6 @@
 """No hangs: a dead process stops the whole job within the timeout, naming the rank."""
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ def start(tmp_path, env):
                          start_new_session=True)
     pids, deadline = {}, time.time() + 120
     while time.time() < deadline:  # wait until every process trains
-        pids = {int(f.stem[4:]): int(f.read_text()) for f in (run_dir / "logs").glob("rank*.pid")} \
+        pids = {int(f.stem[4:]): json.loads(f.read_text())["pid"] for f in (run_dir / "logs").glob("rank*.json")} \
             if (run_dir / "logs").exists() else {}
         metrics = run_dir / "metrics.jsonl"
         if len(pids) == 5 and metrics.exists() and len(metrics.read_text().splitlines()) > 8:
@@ -47,12 +48,12 @@ def test_killed_worker_stops_every_process_naming_it(tmp_path, env):
     _, err = p.communicate(timeout=TIMEOUT_S + 30)
     elapsed = time.time() - t0
     assert p.returncode != 0
-    assert "rank 2 (worker 2 on node 1) was killed by signal SIGKILL" in err
+    assert "rank 2 (worker 2 on node 2) was killed by signal SIGKILL" in err
     assert elapsed <= TIMEOUT_S + 10, elapsed
     assert not any(alive(pid) for pid in pids.values())
     # the survivors noticed on their own (before the launcher's grace ran out) and named the lost rank
     logs = [(run_dir / "logs" / f"rank{r}.log").read_text() for r in (1, 3, 4)]
-    assert all("rank 2 (worker 2 on node 1)" in text for text in logs), logs
+    assert all("rank 2 (worker 2 on node 2)" in text for text in logs), logs
 
 
 def test_ctrl_c_stops_every_process(tmp_path, env):

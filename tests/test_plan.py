@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.plan import ClusterConfig, PlanError, format_table, make_plan
+from scaletrain.plan import ClusterConfig, PlanError, format_table, make_plan, node_line
 
 
 def cluster(**kw) -> ClusterConfig:
@@ -13,19 +13,21 @@ def cluster(**kw) -> ClusterConfig:
 
 def test_study_example_two_nodes_one_ps_alongside():
     plan = make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), ps_required=True, use_gpu=True)
-    rows = [(p.rank, p.node, p.local_rank, p.role, p.index, p.replica, p.device, p.visible_devices)
-            for p in plan.procs]
+    rows = [(p.rank, p.node, p.local_rank, p.role, p.index, p.replica, p.device) for p in plan.procs]
     assert rows == [
-        (0, 0, 0, "worker", 0, 0, "cuda:0", "0"),
-        (1, 0, 1, "worker", 1, 1, "cuda:1", "1"),
-        (2, 0, 2, "worker", 2, 2, "cuda:2", "2"),
-        (3, 0, 3, "worker", 3, 3, "cuda:3", "3"),
-        (4, 1, 0, "worker", 4, 0, "cuda:0", "0"),
-        (5, 1, 1, "worker", 5, 1, "cuda:1", "1"),
-        (6, 1, 2, "worker", 6, 2, "cuda:2", "2"),
-        (7, 1, 3, "worker", 7, 3, "cuda:3", "3"),
-        (8, 1, 4, "ps", 0, -1, "cpu", ""),
+        (0, 0, 0, "worker", 0, 0, "cuda:0"),
+        (1, 0, 1, "worker", 1, 1, "cuda:1"),
+        (2, 0, 2, "worker", 2, 2, "cuda:2"),
+        (3, 0, 3, "worker", 3, 3, "cuda:3"),
+        (4, 1, 0, "worker", 4, 0, "cuda:0"),
+        (5, 1, 1, "worker", 5, 1, "cuda:1"),
+        (6, 1, 2, "worker", 6, 2, "cuda:2"),
+        (7, 1, 3, "worker", 7, 3, "cuda:3"),
+        (8, 1, 4, "ps", 0, -1, "cpu"),
     ]
+    # As the study describes it.
+    assert node_line(plan, 0) == "node 1: worker 0 (GPUs 0-3)"
+    assert node_line(plan, 1) == "node 2: PS 0 (no GPU) and worker 1 (GPUs 0-3)"
     assert plan.world_size == 9 and plan.nodes_total == 2 and plan.worker_nodes == 2
     assert plan.procs_per_node == [4, 5]
     assert plan.leaders == [0, 4]
@@ -63,10 +65,10 @@ def test_plan_invariants(n, g, p, placement):
     assert plan.leaders == [plan.on_node(node)[0].rank for node in range(n)]
     assert [plan.procs[r].replica for r in plan.leaders] == [0] * n
     for q in plan.workers:
-        assert q.device == f"cuda:{q.replica}" and q.visible_devices == str(q.replica)
+        assert q.device == f"cuda:{q.replica}"
         assert q.replica == q.local_rank
     for q in plan.ps:
-        assert q.device == "cpu" and q.visible_devices == "" and q.replica == -1
+        assert q.device == "cpu" and q.replica == -1
     ps_nodes = [q.node for q in plan.ps]
     if placement == "alongside":
         assert plan.nodes_total == n
@@ -88,17 +90,27 @@ def test_one_node_one_ps_alongside_goes_to_node_zero():
 def test_cpu_plan_has_no_gpus():
     plan = make_plan(cluster(nodes=2, gpus_per_node=2), ps_required=False, use_gpu=False)
     assert {q.device for q in plan.procs} == {"cpu"}
-    assert {q.visible_devices for q in plan.procs} == {""}
     assert plan.world_size == 4 and plan.ps == ()
 
 
 def test_format_table():
-    text = format_table(make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), True, use_gpu=True))
-    lines = text.splitlines()
-    assert len(lines) == 1 + 2 + 9  # column header, node headers, processes
-    assert lines[1].startswith("node 0") and lines[6].startswith("node 1")
-    assert lines[-1].split() == ["ps", "0", "8", "4", "none"]
-    assert lines[2].split() == ["worker", "0", "0", "0", "0"]
+    plan = make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), True, use_gpu=True)
+    lines = format_table(plan, "10.0.0.1", 29500, hosts=["gpu7", "gpu9"]).splitlines()
+    assert lines[0] == "2 nodes (2 with workers, 0 PS-only), 9 processes"
+    assert lines[1:3] == ["node 1: worker 0 (GPUs 0-3)", "node 2: PS 0 (no GPU) and worker 1 (GPUs 0-3)"]
+    assert lines[4].split() == ["node", "host", "rank", "local", "role", "GPU", "port"]
+    assert lines[5].split() == ["1", "gpu7", "0", "0", "worker", "0", "0", "29500", "(rendezvous", "at", "10.0.0.1)"]
+    assert lines[-1].split() == ["2", "gpu9", "8", "4", "ps", "0", "none", "-"]
+    assert format_table(plan).splitlines()[5].endswith("any free (rendezvous)")
+    assert len(lines) == 5 + 9
+
+
+def test_dedicated_ps_nodes_are_counted_and_shown():
+    plan = make_plan(cluster(nodes=2, gpus_per_node=1, num_ps=2, ps_placement="dedicated"), True)
+    lines = format_table(plan).splitlines()
+    assert lines[0] == "4 nodes (2 with workers, 2 PS-only), 4 processes"
+    assert lines[1:5] == ["node 1: worker 0 (1 CPU replica)", "node 2: worker 1 (1 CPU replica)",
+                          "node 3: PS 0 (no GPU)", "node 4: PS 1 (no GPU)"]
 
 
 def test_error_ps_required_but_none():

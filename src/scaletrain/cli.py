@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import logging
 import sys
 import time
@@ -13,7 +14,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, field_docs, load_config
 from .data import DataError
 from .models import PretrainedError
-from .plan import PlanError
+from .plan import PlanError, format_table, node_line
 
 # Errors the user can act on: printed as one line, never as a traceback.
 USER_ERRORS = (DataError, PretrainedError, CheckpointError)
@@ -23,14 +24,33 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scaletrain", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model from a recipe")
-    t.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key, e.g. --set train.steps=100 (repeatable)")
+    _recipe_args(t)
     t.add_argument("--run-dir", help="output directory (default runs/RECIPE-TIME)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     t.add_argument("--quiet", action="store_true", help="no progress output")
+    t.add_argument("--plan-node", type=int, help="under torchrun: this agent's node index in the plan "
+                   "(`scaletrain plan --format torchrun` writes it)")
+    pl = sub.add_parser("plan", help="show where every process of a cluster config runs")
+    _recipe_args(pl)
+    pl.add_argument("--format", choices=("table", "json", "torchrun", "sbatch"), default="table")
+    pl.add_argument("--run-dir", help="run directory the torchrun/sbatch commands write to")
+    sl = sub.add_parser("slurm", help="write (and submit) an sbatch script for a recipe")
+    _recipe_args(sl)
+    sl.add_argument("--run-dir", help="run directory (default runs/RECIPE-TIME); must be on a shared file system")
+    sl.add_argument("--partition", default="")
+    sl.add_argument("--time", default="", help="time limit, e.g. 02:00:00")
+    sl.add_argument("--account", default="")
+    sl.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    sl.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+    sl.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
     return p
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key (repeatable)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,27 +65,82 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"scaletrain: config error: {e}", file=sys.stderr)
         return 2
-    if args.resume and not args.run_dir:
+    if getattr(args, "resume", False) and not args.run_dir:
         print("scaletrain: --resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    from .train import RunError, prepare_run_dir, train  # torch is imported only once the config is valid
+    from .launch.env import LaunchError
 
     try:
-        if cfg.distributed:
-            from .launch.local import LaunchError, launch
+        if args.command == "plan":
+            return _plan(args, cfg, run_dir)
+        if args.command == "slurm":
+            return _slurm(args, cfg, run_dir)
+        return _train(args, cfg, run_dir)
+    except (PlanError, LaunchError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
 
-            try:
-                prepare_run_dir(run_dir, args.resume, cfg)
-                rc = launch(cfg, run_dir, resume=args.resume, progress=not args.quiet)
-            except (PlanError, LaunchError) as e:
-                print(f"scaletrain: error: {e}", file=sys.stderr)
-                return 2
+
+def _plan(args, cfg, run_dir: Path) -> int:
+    from .launch import slurm, torchrun
+
+    plan = slurm.plan_of(cfg)
+    c = cfg.cluster
+    if args.format == "table":
+        print(format_table(plan, c.master_addr, c.master_port))
+    elif args.format == "json":
+        print(json.dumps({"nodes_total": plan.nodes_total, "world_size": plan.world_size,
+                          "nodes": [node_line(plan, n) for n in range(plan.nodes_total)],
+                          "processes": [asdict(p) for p in plan.procs]}, indent=2))
+    elif args.format == "torchrun":
+        print("\n".join(torchrun.commands(cfg, plan, args.recipe, args.overrides, run_dir)))
+        if plan.nodes_total > 1 and c.master_addr in ("127.0.0.1", "localhost"):
+            print("# on separate machines, set cluster.master_addr to node 1's host name", file=sys.stderr)
+    else:
+        print(slurm.script(cfg, run_dir), end="")
+    return 0
+
+
+def _slurm(args, cfg, run_dir: Path) -> int:
+    from .launch import slurm
+    from .train import prepare_run_dir
+
+    prepare_run_dir(run_dir, args.resume, cfg)
+    path = slurm.write(cfg, run_dir, partition=args.partition, time=args.time, account=args.account,
+                       resume=args.resume)
+    print(f"wrote {path}")
+    if not args.submit:
+        print(f"submit it with: sbatch {path}")
+        return 0
+    return slurm.submit(path, wait=args.wait)
+
+
+def _train(args, cfg, run_dir: Path) -> int:
+    from .launch import env as launch_env
+    from .train import RunError, prepare_run_dir, train  # torch is imported only once the config is valid
+
+    progress = not args.quiet
+    try:
+        if cfg.distributed:
+            prepare_run_dir(run_dir, args.resume, cfg)
+            if launch_env.in_torchrun() or launch_env.in_slurm_step():
+                from .launch.entry import run  # this process is one of the job's
+
+                return run(cfg, run_dir, args.resume, progress, node=args.plan_node)
+            if launch_env.in_slurm_allocation():
+                from .launch.slurm import run_job
+
+                rc = run_job(cfg, run_dir, args.resume, progress)
+            else:
+                from .launch.local import launch
+
+                rc = launch(cfg, run_dir, resume=args.resume, progress=progress)
             if rc:
                 return rc
             summary = json.loads((run_dir / "summary.json").read_text())
         else:
-            summary = train(cfg, run_dir, resume=args.resume, progress=not args.quiet)
+            summary = train(cfg, run_dir, resume=args.resume, progress=progress)
     except (RunError, *USER_ERRORS) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 1

@@ -12,8 +12,11 @@ every error names the rank and node that went missing.
 from __future__ import annotations
 
 import datetime
+import errno
+import ipaddress
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -34,6 +37,10 @@ class PeerLost(RuntimeError):
     """A peer died or stopped answering; str() names it."""
 
 
+class PortInUse(RuntimeError):
+    """The rendezvous port is taken; str() names it."""
+
+
 @dataclass
 class Context:
     """Where this process sits in the plan, and its process groups."""
@@ -46,6 +53,7 @@ class Context:
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _listener: object = None  # the rendezvous socket rank 0 serves the store on
 
     @property
     def rank(self) -> int:
@@ -60,8 +68,7 @@ class Context:
         return self.plan.world_size > 1
 
     def describe(self, rank: int) -> str:
-        p = self.plan.procs[rank]
-        return f"rank {rank} ({p.role} {p.index} on node {p.node})"
+        return self.plan.describe(rank)
 
     def node_workers(self) -> list[int]:
         return [p.rank for p in self.plan.workers if p.node == self.me.node]
@@ -91,19 +98,26 @@ def single() -> Context:
     return Context(plan, plan.procs[0])
 
 
-def init(cfg: Config, rank: int, world_size: int, ps_required: bool) -> Context:
-    """Join the world and make the subgroups; start heartbeat and watchdog."""
+def init(cfg: Config, plan: Plan, seat) -> Context:
+    """Join the job's world and make the subgroups; start heartbeat and watchdog."""
     c = cfg.cluster
-    use_gpu = torch.cuda.is_available() and cfg.train.device != "cpu"
-    plan = make_plan(c, ps_required, use_gpu)
-    if plan.world_size != world_size:
-        raise RuntimeError(f"the plan has {plan.world_size} processes but WORLD_SIZE = {world_size}; "
-                           "start the job with `scaletrain plan`'s process counts")
     timeout = datetime.timedelta(seconds=c.timeout_s)
-    dist.init_process_group("gloo", init_method=f"tcp://{c.master_addr}:{c.master_port}", rank=rank,
-                            world_size=world_size, timeout=timeout)
-    ctx = Context(plan, plan.procs[rank], c.timeout_s)
-    local_backend = "nccl" if use_gpu else "gloo"
+    listener = None
+    if seat.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
+        dist.init_process_group("gloo", init_method="env://", rank=seat.rank, world_size=seat.world, timeout=timeout)
+    else:
+        if _is_loopback(seat.addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
+        store, listener = _rendezvous(seat, timeout)
+        # Keys under the job's id: a process of another job that reaches this store never meets ours.
+        try:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"scaletrain/{seat.job}", store),
+                                    rank=seat.rank, world_size=seat.world, timeout=timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise _no_rendezvous(seat, timeout, e) from None
+    ctx = Context(plan, plan.procs[seat.rank], c.timeout_s)
+    ctx._listener = listener
+    local_backend = "nccl" if plan.procs[0].device.startswith("cuda") else "gloo"
     # Collective: every rank creates every group, in the same order.
     for node in range(plan.worker_nodes):
         ranks = [p.rank for p in plan.workers if p.node == node]
@@ -116,6 +130,47 @@ def init(cfg: Config, rank: int, world_size: int, ps_required: bool) -> Context:
     ctx._thread = threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat")
     ctx._thread.start()
     return ctx
+
+
+def _no_rendezvous(seat, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
+    return PeerLost(f"no rendezvous for job {seat.job} at {seat.addr}:{seat.port}: the job's {seat.world} "
+                    f"processes did not all join within {timeout.total_seconds():.0f} s "
+                    f"({str(err).strip().splitlines()[-1]})")
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _rendezvous(seat, timeout: datetime.timedelta):
+    """The job's TCPStore: rank 0 serves it on a socket bound to the rendezvous
+    address only (loopback stays loopback), the others connect to it."""
+    if seat.rank != 0:
+        try:
+            return dist.TCPStore(seat.addr, seat.port, seat.world, False, timeout), None
+        except (RuntimeError, TimeoutError) as e:  # nothing answered within the timeout
+            raise _no_rendezvous(seat, timeout, e) from None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        host = socket.gethostbyname(seat.addr)
+        try:
+            sock.bind((host, seat.port))
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+            sock.bind(("", seat.port))  # the name is not an address of this host (e.g. behind NAT)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise PortInUse(f"cannot listen on {seat.addr}:{seat.port} for the rendezvous ({e.strerror}); "
+                        "set cluster.master_port to a free port (0: pick one)") from None
+    store = dist.TCPStore(seat.addr, seat.port, seat.world, True, timeout, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    return store, sock
 
 
 def _missing(store, ctx: Context) -> list[int]:

@@ -12,6 +12,11 @@ process driving all GPUs of a node):
 - PS dedicated: PS k gets a node of its own, node nodes + k;
 - ranks are contiguous per node in node order, workers (replica order) before
   the PS, so a torchrun agent's global rank is node offset + local rank.
+
+Nodes are indices from 0 in data (`Proc.node`, JSON) and are called
+"node 1", "node 2", ... in text, as the study and most host names count them.
+A worker uses GPU `replica` of those its node makes visible to the job; a PS
+uses none.
 """
 
 from __future__ import annotations
@@ -29,11 +34,7 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Proc:
-    """One process of the plan.
-
-    `device` names the physical GPU (cuda:<replica>); a launcher that also sets
-    CUDA_VISIBLE_DEVICES=`visible_devices` must open it as cuda:0 instead.
-    """
+    """One process of the plan."""
 
     rank: int             # global rank in the world group
     node: int             # 0-based node index
@@ -41,8 +42,7 @@ class Proc:
     role: str             # "worker" | "ps"
     index: int            # worker index among workers, or PS index among PS
     replica: int          # worker: replica (GPU) index within its node; PS: -1
-    device: str           # "cuda:K" or "cpu"; PS always "cpu"
-    visible_devices: str  # CUDA_VISIBLE_DEVICES: worker "K" with GPUs, else ""
+    device: str           # "cuda:K" (K = replica) or "cpu"; PS always "cpu"
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,10 @@ class Plan:
 
     def node_of(self, rank: int) -> int:
         return self.procs[rank].node
+
+    def describe(self, rank: int) -> str:
+        p = self.procs[rank]
+        return f"rank {rank} ({p.role} {p.index} on {node_name(p.node)})"
 
     @property
     def procs_per_node(self) -> list[int]:
@@ -111,21 +115,44 @@ def make_plan(cluster: ClusterConfig, ps_required: bool, use_gpu: bool = False) 
         if node < n:
             for r in range(g):
                 procs.append(Proc(len(procs), node, local, "worker", node * g + r, r,
-                                  f"cuda:{r}" if use_gpu else "cpu", str(r) if use_gpu else ""))
+                                  f"cuda:{r}" if use_gpu else "cpu"))
                 local += 1
         if node in ps_on_node:
-            # A PS only does CPU work over gloo; hiding GPUs keeps it from creating a CUDA context.
-            procs.append(Proc(len(procs), node, local, "ps", ps_on_node[node], -1, "cpu", ""))
+            procs.append(Proc(len(procs), node, local, "ps", ps_on_node[node], -1, "cpu"))  # CPU work over gloo
     return Plan(tuple(procs), nodes_total)
 
 
-def format_table(plan: Plan) -> str:
-    """Plain-text placement table, one line per process, grouped by node."""
-    lines = [f"{'role':<10} {'rank':>5} {'local':>5}  devices"]
-    for node in range(plan.nodes_total):
-        procs = plan.on_node(node)
-        lines.append(f"node {node} ({len(procs)} process{'es' if len(procs) != 1 else ''})")
-        for p in procs:
-            lines.append(f"  {p.role + ' ' + str(p.index):<8} {p.rank:>5} {p.local_rank:>5}  "
-                         f"{p.visible_devices or 'none'}")
+def node_name(node: int) -> str:
+    return f"node {node + 1}"
+
+
+def _span(xs: list[int]) -> str:
+    return f"{xs[0]}-{xs[-1]}" if len(xs) > 1 else str(xs[0])
+
+
+def node_line(plan: Plan, node: int) -> str:
+    """What a node runs, in the study's words: 'PS 0 (no GPU) and worker 1 (GPUs 0-3)'."""
+    parts = [f"PS {p.index} (no GPU)" for p in plan.on_node(node) if p.role == "ps"]
+    replicas = [p for p in plan.on_node(node) if p.role == "worker"]
+    if replicas:
+        gpus = [int(p.device[5:]) for p in replicas if p.device.startswith("cuda:")]
+        where = f"GPU{'s' if len(gpus) > 1 else ''} {_span(gpus)}" if gpus else \
+            f"{len(replicas)} CPU replica{'s' if len(replicas) > 1 else ''}"
+        parts.append(f"worker {node} ({where})")
+    return f"{node_name(node)}: {' and '.join(parts)}"
+
+
+def format_table(plan: Plan, addr: str = "", port: int = 0, hosts: list[str] | None = None) -> str:
+    """The placement for people: a line per node in the study's words, then a row per process."""
+    n_ps_nodes = plan.nodes_total - plan.worker_nodes
+    lines = [f"{plan.nodes_total} node{'s' if plan.nodes_total > 1 else ''} "
+             f"({plan.worker_nodes} with workers, {n_ps_nodes} PS-only), {plan.world_size} processes"]
+    lines += [node_line(plan, n) for n in range(plan.nodes_total)]
+    lines += ["", f"{'node':<8} {'host':<12} {'rank':>4} {'local':>5}  {'role':<8} {'GPU':<5} port"]
+    for p in plan.procs:
+        host = hosts[p.node] if hosts else "-"
+        gpu = p.device[5:] if p.device.startswith("cuda:") else "none"
+        listens = f"{port or 'any free'} (rendezvous{' at ' + addr if addr else ''})" if p.rank == 0 else "-"
+        lines.append(f"{p.node + 1:<8} {host:<12} {p.rank:>4} {p.local_rank:>5}  {p.role + ' ' + str(p.index):<8} "
+                     f"{gpu:<5} {listens}")
     return "\n".join(lines)

@@ -1,14 +1,18 @@
 """What every process of a distributed job runs: join, take a role, work, report.
 
-Reads RANK and WORLD_SIZE from the environment (set by the local launcher,
-torchrun or srun) and the resolved config from RUN_DIR/config.toml.
+`python -m scaletrain.launch.entry RUN_DIR` runs it with the resolved config
+in RUN_DIR/config.toml (the local launcher and Slurm jobs start it so);
+`scaletrain train` under torchrun or srun calls `run` with the recipe's.
+The process's seat comes from the launcher's environment (launch/env.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,19 +23,31 @@ from .. import checkpoint, stats
 from ..config import load_config
 from ..data import DataError
 from ..models import PretrainedError
+from ..plan import make_plan
+from . import env as launch_env
+from .env import LaunchError
 from ..strategies import entry, wait_for
 from ..train import RunError, total_steps, train
 
 
-def run(run_dir: Path, resume: bool, progress: bool) -> int:
-    cfg = load_config(run_dir / "config.toml")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if not cfg.train.threads:
-        torch.set_num_threads(int(os.environ.get("SCALETRAIN_THREADS", "1")))
+def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = None) -> int:
+    """Be one process of the job: find the seat, join, work, report. Returns the exit status."""
     strat = entry(cfg)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    (run_dir / "logs" / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")  # for operators and failure tests
-    ctx = sdist.init(cfg, rank, world, strat.uses_ps)
+    plan = make_plan(cfg.cluster, strat.uses_ps, use_gpu=cfg.train.device != "cpu" and torch.cuda.is_available())
+    try:
+        seat = launch_env.seat(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
+    except LaunchError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    rank = seat.rank
+    if not cfg.train.threads:
+        torch.set_num_threads(int(os.environ.get("SCALETRAIN_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or 1))
+    record(run_dir, plan, seat)
+    try:
+        ctx = sdist.init(cfg, plan, seat)
+    except (sdist.PeerLost, sdist.PortInUse) as e:
+        print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
+        return 1
     try:
         if ctx.me.role == "ps":
             serve(cfg, ctx, run_dir, resume)
@@ -53,6 +69,20 @@ def run(run_dir: Path, resume: bool, progress: bool) -> int:
         return 1
     sdist.finish(ctx)
     return 0
+
+
+def record(run_dir: Path, plan, seat) -> None:
+    """logs/rankR.json: where this process runs, for operators and tests."""
+    p = plan.procs[seat.rank]
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "logs" / f".rank{seat.rank}.json.tmp"
+    tmp.write_text(json.dumps({
+        "rank": seat.rank, "role": p.role, "index": p.index, "node": p.node, "local_rank": p.local_rank,
+        "device": p.device, "pid": os.getpid(), "host": socket.gethostname(), "launcher": seat.launcher,
+        "job": seat.job, "rendezvous": f"{seat.addr}:{seat.port}",
+        **{k: os.environ[k] for k in ("SLURMD_NODENAME", "SLURM_NODEID", "SLURM_LOCALID", "GROUP_RANK", "LOCAL_RANK")
+           if k in os.environ}}) + "\n")
+    os.replace(tmp, run_dir / "logs" / f"rank{seat.rank}.json")  # readers never see half a file
 
 
 def serve(cfg, ctx, run_dir: Path, resume: bool) -> None:
@@ -91,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {os.environ.get('RANK')}: %(message)s")
-    return run(a.run_dir, a.resume, not a.quiet)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(load_config(a.run_dir / "config.toml"), a.run_dir, a.resume, not a.quiet)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,7 @@ from pathlib import Path
 from ..config import Config, dump_toml
 from ..plan import Plan, make_plan
 from ..strategies import entry
-
-
-class LaunchError(RuntimeError):
-    pass
+from .env import LaunchError
 
 
 def free_port(addr: str) -> int:
@@ -43,9 +40,8 @@ def check_port(addr: str, port: int) -> None:
 
 
 def describe_exit(plan: Plan, rank: int, rc: int) -> str:
-    p = plan.procs[rank]
     how = f"was killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
-    return f"rank {rank} ({p.role} {p.index} on node {p.node}) {how}"
+    return f"{plan.describe(rank)} {how}"
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
@@ -58,10 +54,12 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
+    job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
     procs: list[subprocess.Popen] = []
     for p in plan.procs:
         env = dict(os.environ, RANK=str(p.rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(p.local_rank),
-                   MASTER_ADDR=addr, MASTER_PORT=str(cfg.cluster.master_port), SCALETRAIN_THREADS=str(threads),
+                   MASTER_ADDR=addr, MASTER_PORT=str(cfg.cluster.master_port), SCALETRAIN_JOB=job,
+                   SCALETRAIN_THREADS=str(threads),
                    OMP_NUM_THREADS=str(threads))
         cmd = [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
         cmd += ["--resume"] if resume else []

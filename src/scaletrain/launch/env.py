@@ -1,0 +1,135 @@
+"""Where this process sits in a job, read from the launcher's environment.
+
+Every launcher gives each process its place differently; all of them end in
+the same Seat (global rank in the plan, world size, rendezvous address, and
+a job id that names the rendezvous so one job never joins another's):
+
+- the local launcher: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, SCALETRAIN_JOB.
+- torchrun: LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE, MASTER_ADDR,
+  MASTER_PORT (torchrun's own store), TORCHELASTIC_RUN_ID; the node comes from
+  `--plan-node K` on the command line, because under the c10d rendezvous torchrun's
+  GROUP_RANK and RANK follow the order in which agents joined, not the plan.
+- Slurm (srun): SLURM_PROCID (the global rank: tasks are placed in plan order),
+  SLURM_NTASKS, SLURM_NODEID (checked against the plan), SLURM_LOCALID,
+  SLURM_JOB_NODELIST (the rendezvous is on its first node), SLURM_JOB_ID (the
+  job id, and the default port).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ..plan import Plan, node_name
+
+
+class LaunchError(RuntimeError):
+    """A job that cannot start as launched; str() says why in one line."""
+
+
+@dataclass(frozen=True)
+class Seat:
+    rank: int
+    world: int
+    addr: str
+    port: int
+    job: str
+    launcher: str  # "local" | "torchrun" | "slurm"
+
+
+def in_torchrun(env=os.environ) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env
+
+
+def in_slurm_step(env=os.environ) -> bool:
+    """A task of an srun step (not the batch script, not an salloc shell)."""
+    return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and env.get("SLURM_STEP_ID") not in ("batch", "extern")
+
+
+def in_slurm_allocation(env=os.environ) -> bool:
+    return "SLURM_JOB_ID" in env
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's compact host list, expanded in order: 'gpu[1-3,7],login' -> gpu1 gpu2 gpu3 gpu7 login.
+    Zero padding is kept ('n[08-10]' -> n08 n09 n10); several brackets multiply ('r[1-2]n[1-2]')."""
+    hosts = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text):
+        m = re.match(r"([^\[]*)\[([^\]]*)\](.*)$", item)
+        if not m:
+            hosts.append(item)
+            continue
+        head, ranges, tail = m.groups()
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise LaunchError(f"cannot read the Slurm node list {text!r} at {part!r}")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts += [f"{head}{i:0{len(lo)}d}{rest}" for rest in expand_nodelist(tail) or [""]]
+    return hosts
+
+
+def slurm_port(job_id: str) -> int:
+    """A rendezvous port from the job id: jobs sharing a first node get different ports.
+    Kept under Linux's ephemeral range (32768-60999)."""
+    return 15000 + int(re.sub(r"\D", "", job_id) or 0) % 15000
+
+
+def _int(env, key: str) -> int:
+    try:
+        return int(env[key])
+    except (KeyError, ValueError):
+        raise LaunchError(f"environment variable {key} is {'missing' if key not in env else repr(env[key])}; "
+                          "start distributed jobs with `scaletrain train`, torchrun or srun") from None
+
+
+def seat(plan: Plan, master_addr: str, master_port: int, node: int | None = None, env=os.environ) -> Seat:
+    """This process's seat in `plan`, from whichever launcher started it."""
+    if in_torchrun(env):
+        return _torchrun_seat(plan, node, env)
+    if in_slurm_step(env):
+        return _slurm_seat(plan, master_port, env)
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    _check_world(plan, world, "WORLD_SIZE")
+    return Seat(rank, world, env.get("MASTER_ADDR", master_addr), _int(env, "MASTER_PORT"),
+                env.get("SCALETRAIN_JOB", "local"), "local")
+
+
+def _check_world(plan: Plan, world: int, what: str) -> None:
+    if world != plan.world_size:
+        raise LaunchError(f"{what} = {world} but the plan has {plan.world_size} processes; "
+                          "`scaletrain plan` shows how many each node runs")
+
+
+def _torchrun_seat(plan: Plan, node: int | None, env) -> Seat:
+    if node is None:
+        if plan.nodes_total > 1:
+            raise LaunchError("started by torchrun without --plan-node K: give each node's agent its node index "
+                              "(`scaletrain plan --format torchrun` prints the commands)")
+        node = 0
+    if not 0 <= node < plan.nodes_total:
+        raise LaunchError(f"--plan-node {node}: the plan has nodes 0..{plan.nodes_total - 1}")
+    here = plan.on_node(node)
+    local, local_world = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
+    if local_world != len(here):
+        raise LaunchError(f"{node_name(node)} (--plan-node {node}) runs {len(here)} processes in the plan but torchrun "
+                          f"started {local_world}: use --nproc-per-node={len(here)} there")
+    _check_world(plan, _int(env, "WORLD_SIZE"), "torchrun's WORLD_SIZE")
+    return Seat(here[local].rank, plan.world_size, env["MASTER_ADDR"], _int(env, "MASTER_PORT"),
+                env["TORCHELASTIC_RUN_ID"], "torchrun")
+
+
+def _slurm_seat(plan: Plan, master_port: int, env) -> Seat:
+    rank, world, node = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NODEID")
+    _check_world(plan, world, "SLURM_NTASKS")
+    want = plan.procs[rank].node
+    if node != want:
+        raise LaunchError(f"Slurm placed {plan.describe(rank)} on its node index {node}, the plan on {want}: "
+                          "start the job with `scaletrain slurm` (it places tasks in plan order)")
+    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+    if len(hosts) < plan.nodes_total:
+        raise LaunchError(f"the plan needs {plan.nodes_total} nodes; the allocation has {len(hosts)} "
+                          f"({env.get('SLURM_JOB_NODELIST', '')})")
+    job = env.get("SLURM_JOB_ID", "0")
+    return Seat(rank, world, hosts[0], master_port or slurm_port(job), f"slurm-{job}", "slurm")
