@@ -148,12 +148,16 @@ def _train(args, cfg, run_dir: Path) -> int:
         print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
               file=sys.stderr)
         return 130
-    acc = summary.get("test_accuracy")
     print(f"run dir: {run_dir}")
-    print(f"steps {summary['steps']}  {summary['images_per_sec']:.1f} img/s  "
-          f"final train loss {summary['final_train_loss']:.4f}  "
-          + (f"test accuracy {acc:.4f}" if acc is not None else "no test set"))
+    print(summary_line(summary))
     return 0
+
+
+def summary_line(summary: dict) -> str:
+    acc = summary.get("test_accuracy")
+    return (f"steps {summary['steps']}  {summary['images_per_sec']:.1f} img/s  "
+            f"final train loss {summary['final_train_loss']:.4f}  "
+            + (f"test accuracy {acc:.4f}" if acc is not None else "no test set"))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ node the plan gives it (each process checks SLURM_NODEID against the plan).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -102,10 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     a = ap.parse_args(argv)
     try:
-        return run_job(load_config(a.run_dir / "config.toml"), a.run_dir, a.resume, progress=False)
+        rc = run_job(load_config(a.run_dir / "config.toml"), a.run_dir, a.resume)
     except LaunchError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
+    if rc == 0:
+        from ..cli import summary_line
+
+        print(summary_line(json.loads((a.run_dir / "summary.json").read_text())))
+    return rc
 
 
 if __name__ == "__main__":
