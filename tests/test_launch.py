@@ -59,7 +59,8 @@ def test_sbatch_format_asks_for_the_plan(capsys, tmp_path):
                  *sets("cluster.nodes=2", "cluster.gpus_per_node=4", "cluster.num_ps=1", "strategy.name=sync")]) == 0
     text = capsys.readouterr().out
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks=9\n" in text and "#SBATCH --gpus-per-node=4\n" in text
-    assert f"-m scaletrain.launch.slurm {tmp_path / 'r'}" in text
+    assert f"-m scaletrain train --recipe {DIGITS} --set cluster.nodes=2" in text
+    assert text.rstrip().endswith(f"--run-dir {tmp_path / 'r'}")
 
 
 # --- reading the launchers' environments ---------------------------------------------------------
@@ -135,6 +136,8 @@ def test_two_torchrun_agents_run_a_sync_job(tmp_path, capsys):
     assert [(r["role"], r["node"], r["launcher"]) for r in ranks] == \
         [("worker", 0, "torchrun"), ("worker", 1, "torchrun"), ("ps", 1, "torchrun")]
     assert len({r["job"] for r in ranks}) == 1
+    # Node 2's agent joined first and torchrun made it group 0; the plan still put rank 0 on node 1.
+    assert ranks[0]["GROUP_RANK"] == "1" and ranks[2]["GROUP_RANK"] == "0"
 
 
 # --- network hygiene of local jobs ------------------------------------------------------------------
@@ -193,8 +196,10 @@ def test_local_job_listens_on_loopback_only_and_keeps_strangers_out(tmp_path):
         assert socks and all(addr == "127.0.0.1" for addr, _ in socks), socks
         # A process of another job pointed at this job's rendezvous waits in its own
         # namespace and gives up with a clear error; the job is not disturbed.
+        (tmp_path / "b").mkdir()
+        (tmp_path / "b" / "config.toml").write_text((tmp_path / "a" / "config.toml").read_text())
         stranger = subprocess.run(
-            [os.sys.executable, "-m", "scaletrain.launch.entry", str(tmp_path / "a")], cwd=ROOT, text=True,
+            [os.sys.executable, "-m", "scaletrain.launch.entry", str(tmp_path / "b")], cwd=ROOT, text=True,
             capture_output=True, timeout=120,
             env=dict(os.environ, RANK="1", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                      SCALETRAIN_JOB="another-job"))

@@ -77,6 +77,37 @@ def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:
     return None
 
 
+def load_agreed(ckpt_dir: Path, distributed: bool) -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint, the same file in every process of a job: rank 0 chooses
+    it and broadcasts its step (a collective: every process, PS included, calls this
+    once when resuming), so a file another node cannot see yet, or a fallback to an
+    older one on a single node, cannot split the job."""
+    if not distributed:
+        return load_latest(ckpt_dir)
+    import torch.distributed as dist
+
+    choice, found, err = torch.tensor([-1]), None, None
+    if dist.get_rank() == 0:
+        try:
+            found = load_latest(ckpt_dir)
+            choice[0] = -1 if found is None else found[0]["step"]
+        except CheckpointError as e:
+            err, choice[0] = e, -2
+    dist.broadcast(choice, src=0)
+    step = int(choice[0])
+    if err is not None:
+        raise err
+    if step == -2:
+        raise CheckpointError(f"rank 0 could read no checkpoint in {ckpt_dir}; its log says why")
+    if step == -1 or found is not None:
+        return found
+    path = path_for(ckpt_dir, step)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), path
+    except Exception as e:  # noqa: BLE001 - one line naming the file
+        raise CheckpointError(f"{path}: chosen by rank 0 but not readable here: {str(e).splitlines()[0]}") from None
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Keys (flat, dotted) whose values differ and that matter for resuming."""
     keys = (set(saved) | set(current)) - RESUMABLE_CHANGES

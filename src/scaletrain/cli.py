@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     from .launch.env import LaunchError
+    from .train import RunError
 
     try:
         if args.command == "plan":
@@ -80,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, LaunchError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _plan(args, cfg, run_dir: Path) -> int:
     from .launch import slurm, torchrun
+    from .launch.env import plan_for
 
-    plan = slurm.plan_of(cfg)
+    plan = plan_for(cfg)
     c = cfg.cluster
     if args.format == "table":
         print(format_table(plan, c.master_addr, c.master_port))
@@ -98,7 +103,8 @@ def _plan(args, cfg, run_dir: Path) -> int:
         if plan.nodes_total > 1 and c.master_addr in ("127.0.0.1", "localhost"):
             print("# on separate machines, set cluster.master_addr to node 1's host name", file=sys.stderr)
     else:
-        print(slurm.script(cfg, run_dir), end="")
+        args = ["--recipe", str(Path(args.recipe).resolve()), *(a for o in args.overrides for a in ("--set", o))]
+        print(slurm.script(cfg, run_dir, args), end="")
     return 0
 
 
@@ -118,16 +124,20 @@ def _slurm(args, cfg, run_dir: Path) -> int:
 
 def _train(args, cfg, run_dir: Path) -> int:
     from .launch import env as launch_env
+    from .launch.env import LaunchError
     from .train import RunError, prepare_run_dir, train  # torch is imported only once the config is valid
 
     progress = not args.quiet
     try:
         if cfg.distributed:
-            prepare_run_dir(run_dir, args.resume, cfg)
             if launch_env.in_torchrun() or launch_env.in_slurm_step():
-                from .launch.entry import run  # this process is one of the job's
+                from .launch.entry import exit_now, run  # this process is one of the job's
 
-                return run(cfg, run_dir, args.resume, progress, node=args.plan_node)
+                if not args.run_dir:
+                    raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
+                prepare_run_dir(run_dir, args.resume, cfg)
+                exit_now(run(cfg, run_dir, args.resume, progress, node=args.plan_node))
+            prepare_run_dir(run_dir, args.resume, cfg)
             if launch_env.in_slurm_allocation():
                 from .launch.slurm import run_job
 

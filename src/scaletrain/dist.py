@@ -12,7 +12,6 @@ every error names the rank and node that went missing.
 from __future__ import annotations
 
 import datetime
-import errno
 import ipaddress
 import logging
 import os
@@ -53,7 +52,6 @@ class Context:
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-    _listener: object = None  # the rendezvous socket rank 0 serves the store on
 
     @property
     def rank(self) -> int:
@@ -102,21 +100,22 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     """Join the job's world and make the subgroups; start heartbeat and watchdog."""
     c = cfg.cluster
     timeout = datetime.timedelta(seconds=c.timeout_s)
-    listener = None
-    if seat.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
-        dist.init_process_group("gloo", init_method="env://", rank=seat.rank, world_size=seat.world, timeout=timeout)
-    else:
-        if _is_loopback(seat.addr):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
-        store, listener = _rendezvous(seat, timeout)
-        # Keys under the job's id: a process of another job that reaches this store never meets ours.
-        try:
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"scaletrain/{seat.job}", store),
-                                    rank=seat.rank, world_size=seat.world, timeout=timeout)
-        except (RuntimeError, TimeoutError) as e:
-            raise _no_rendezvous(seat, timeout, e) from None
+    loopback = seat.launcher == "local" and _is_loopback(seat.addr)
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
+    try:
+        if seat.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
+            dist.init_process_group("gloo", init_method="env://", rank=seat.rank, world_size=seat.world,
+                                    timeout=timeout)
+        else:
+            # Keys under the job's id: a process of another job that reaches this store never meets ours.
+            store = dist.PrefixStore(f"scaletrain/{seat.job}", _rendezvous(seat, timeout, loopback))
+            dist.init_process_group("gloo", store=store, rank=seat.rank, world_size=seat.world, timeout=timeout)
+    except (RuntimeError, TimeoutError) as e:
+        if isinstance(e, PortInUse):
+            raise
+        raise _no_rendezvous(seat, timeout, e) from None
     ctx = Context(plan, plan.procs[seat.rank], c.timeout_s)
-    ctx._listener = listener
     local_backend = "nccl" if plan.procs[0].device.startswith("cuda") else "gloo"
     # Collective: every rank creates every group, in the same order.
     for node in range(plan.worker_nodes):
@@ -145,32 +144,23 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _rendezvous(seat, timeout: datetime.timedelta):
-    """The job's TCPStore: rank 0 serves it on a socket bound to the rendezvous
-    address only (loopback stays loopback), the others connect to it."""
+def _rendezvous(seat, timeout: datetime.timedelta, loopback: bool):
+    """The job's TCPStore: the others connect to rank 0, which serves it on a socket
+    of its own, bound to loopback for local jobs and to every interface otherwise."""
     if seat.rank != 0:
-        try:
-            return dist.TCPStore(seat.addr, seat.port, seat.world, False, timeout), None
-        except (RuntimeError, TimeoutError) as e:  # nothing answered within the timeout
-            raise _no_rendezvous(seat, timeout, e) from None
+        return dist.TCPStore(seat.addr, seat.port, seat.world, False, timeout)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        host = socket.gethostbyname(seat.addr)
-        try:
-            sock.bind((host, seat.port))
-        except OSError as e:
-            if e.errno != errno.EADDRNOTAVAIL:
-                raise
-            sock.bind(("", seat.port))  # the name is not an address of this host (e.g. behind NAT)
+        sock.bind(("127.0.0.1" if loopback else "", seat.port))
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise PortInUse(f"cannot listen on {seat.addr}:{seat.port} for the rendezvous ({e.strerror}); "
-                        "set cluster.master_port to a free port (0: pick one)") from None
-    store = dist.TCPStore(seat.addr, seat.port, seat.world, True, timeout, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())
-    return store, sock
+        raise PortInUse(f"cannot listen on port {seat.port} for the rendezvous ({e.strerror}); "
+                        "set cluster.master_port to a free port") from None
+    # The store takes the socket over (and closes it when it ends).
+    return dist.TCPStore(seat.addr, seat.port, seat.world, True, timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def _missing(store, ctx: Context) -> list[int]:

@@ -120,7 +120,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
 
     start, best, bad, resumed_from, state = 0, None, set(), None, None
     if resume:
-        found = checkpoint.load_latest(run_dir / "checkpoints")
+        found = checkpoint.load_agreed(run_dir / "checkpoints", ctx.distributed)
         if found is None:
             log.warning("--resume: no checkpoint in %s; starting from step 0", run_dir / "checkpoints")
         else:

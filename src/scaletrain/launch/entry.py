@@ -23,7 +23,6 @@ from .. import checkpoint, stats
 from ..config import load_config
 from ..data import DataError
 from ..models import PretrainedError
-from ..plan import make_plan
 from . import env as launch_env
 from .env import LaunchError
 from ..strategies import entry, wait_for
@@ -32,8 +31,7 @@ from ..train import RunError, total_steps, train
 
 def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = None) -> int:
     """Be one process of the job: find the seat, join, work, report. Returns the exit status."""
-    strat = entry(cfg)
-    plan = make_plan(cfg.cluster, strat.uses_ps, use_gpu=cfg.train.device != "cpu" and torch.cuda.is_available())
+    plan = launch_env.plan_for(cfg, probe_gpu=True)
     try:
         seat = launch_env.seat(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
     except LaunchError as e:
@@ -97,7 +95,7 @@ def serve(cfg, ctx, run_dir: Path, resume: bool) -> None:
         per_epoch = len(build_datasets(cfg)[0]) // (cfg.data.batch_size * len(ctx.plan.workers))
         total = total_steps(cfg, per_epoch)
     shard = Shard(cfg, ctx.me.index, pushers, e.server, wait_for(cfg, len(pushers)), total)
-    found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
+    found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
     if found is not None:  # the workers load the same file and check its config
         state, path = found
         shards = state.get("ps") or []
@@ -125,5 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     return run(load_config(a.run_dir / "config.toml"), a.run_dir, a.resume, not a.quiet)
 
 
+def exit_now(rc: int) -> None:
+    """End a job process once its work and the final barrier are done. The process
+    skips interpreter teardown: C++ threads of the communication libraries being
+    destroyed then have aborted finished processes (SIGABRT) now and then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -8,7 +8,7 @@ a job id that names the rendezvous so one job never joins another's):
 - torchrun: LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE, MASTER_ADDR,
   MASTER_PORT (torchrun's own store), TORCHELASTIC_RUN_ID; the node comes from
   `--plan-node K` on the command line, because under the c10d rendezvous torchrun's
-  GROUP_RANK and RANK follow the order in which agents joined, not the plan.
+  GROUP_RANK and RANK are assigned by the rendezvous, not by the plan.
 - Slurm (srun): SLURM_PROCID (the global rank: tasks are placed in plan order),
   SLURM_NTASKS, SLURM_NODEID (checked against the plan), SLURM_LOCALID,
   SLURM_JOB_NODELIST (the rendezvous is on its first node), SLURM_JOB_ID (the
@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..plan import Plan, node_name
+from ..plan import Plan, make_plan, node_name
 
 
 class LaunchError(RuntimeError):
@@ -36,6 +36,19 @@ class Seat:
     port: int
     job: str
     launcher: str  # "local" | "torchrun" | "slurm"
+
+
+def plan_for(cfg, probe_gpu: bool = False) -> Plan:
+    """The job's plan. Workers get GPUs unless train.device = "cpu"; with probe_gpu
+    (in a process about to run) only when CUDA is visible here too."""
+    from ..strategies import entry
+
+    use_gpu = cfg.train.device != "cpu"
+    if use_gpu and probe_gpu:
+        import torch
+
+        use_gpu = torch.cuda.is_available()
+    return make_plan(cfg.cluster, entry(cfg).uses_ps, use_gpu)
 
 
 def in_torchrun(env=os.environ) -> bool:
@@ -67,6 +80,15 @@ def expand_nodelist(text: str) -> list[str]:
                 raise LaunchError(f"cannot read the Slurm node list {text!r} at {part!r}")
             for i in range(int(lo), int(hi or lo) + 1):
                 hosts += [f"{head}{i:0{len(lo)}d}{rest}" for rest in expand_nodelist(tail) or [""]]
+    return hosts
+
+
+def slurm_hosts(plan: Plan, env) -> list[str]:
+    """The allocation's hosts in order: plan node k runs on the k-th."""
+    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+    if len(hosts) < plan.nodes_total:
+        raise LaunchError(f"the plan needs {plan.nodes_total} nodes; the allocation has {len(hosts)} "
+                          f"({env.get('SLURM_JOB_NODELIST', '')}): `scaletrain slurm` asks for the right count")
     return hosts
 
 
@@ -127,9 +149,6 @@ def _slurm_seat(plan: Plan, master_port: int, env) -> Seat:
     if node != want:
         raise LaunchError(f"Slurm placed {plan.describe(rank)} on its node index {node}, the plan on {want}: "
                           "start the job with `scaletrain slurm` (it places tasks in plan order)")
-    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
-    if len(hosts) < plan.nodes_total:
-        raise LaunchError(f"the plan needs {plan.nodes_total} nodes; the allocation has {len(hosts)} "
-                          f"({env.get('SLURM_JOB_NODELIST', '')})")
+    hosts = slurm_hosts(plan, env)
     job = env.get("SLURM_JOB_ID", "0")
     return Seat(rank, world, hosts[0], master_port or slurm_port(job), f"slurm-{job}", "slurm")

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 from ..config import Config, dump_toml
-from ..plan import Plan, make_plan
-from ..strategies import entry
-from .env import LaunchError
+from ..plan import Plan
+from .env import LaunchError, plan_for
 
 
 def free_port(addr: str) -> int:
@@ -45,7 +44,7 @@ def describe_exit(plan: Plan, rank: int, rc: int) -> str:
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
-    plan = make_plan(cfg.cluster, entry(cfg).uses_ps)
+    plan = plan_for(cfg, probe_gpu=True)
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:
         check_port(addr, cfg.cluster.master_port)

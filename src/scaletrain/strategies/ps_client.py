@@ -79,9 +79,10 @@ class PSClient(Strategy):
 
     def snapshot(self) -> dict:
         """Every shard's version, values and optimizer state. Asked between two of
-        this pusher's steps: under sync no shard can pass the version this node
-        has not pushed yet, so all shards are at the same step; asynchronous
-        shards are each taken as the request finds them."""
+        this pusher's steps: under sync (all nodes' gradients per version) no shard
+        can pass the version this node has not pushed yet, so all shards are at the
+        same step; under backup and the asynchronous modes each shard is taken as
+        the request finds it."""
         keys, shards = state_keys(self.cfg.optim), []
         for k, server in enumerate(self.servers):
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
