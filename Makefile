@@ -14,9 +14,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The study in miniature: digits, a small ResNet, 1, 2 and 4 emulated nodes x 2 replicas,
+# allreduce vs sync vs mixed-async: a throughput bench, a learning study, one report.
+DEMO      := runs/demo
+DEMO_SETS := --set data.workers=0 --set cluster.gpus_per_node=2 --set optim.warmup_steps=0 --set train.eval_every=10
+DEMO_GRID := --grid cluster.nodes=1,2,4 --grid strategy.name+cluster.num_ps=allreduce:0,sync:1,mixed-async:1
+
 demo: $(STAMP)
-	rm -rf runs/demo-digits
-	$(BIN)/scaletrain train --recipe recipes/digits.toml --run-dir runs/demo-digits
+	rm -rf $(DEMO)
+	$(BIN)/scaletrain bench --recipe recipes/digits.toml $(DEMO_SETS) $(DEMO_GRID) --warmup 5 --steps 30 --out $(DEMO)/bench
+	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) $(DEMO_GRID) --until epochs=12 --out $(DEMO)/study
+	$(BIN)/scaletrain report $(DEMO)/bench $(DEMO)/study --out $(DEMO)/report
 
 # Slurm and munge from Debian, for the tests that start an emulated 4-node cluster (root only).
 slurm:

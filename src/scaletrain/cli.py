@@ -43,6 +43,23 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     sl.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     sl.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
+    b = sub.add_parser("bench", help="throughput, speedup and efficiency over a grid of configurations")
+    _recipe_args(b)
+    b.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a key and its values; several --grid give every combination")
+    b.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
+    b.add_argument("--steps", type=int, default=40, help="measured steps (default 40)")
+    b.add_argument("--out", help="output directory (default runs/bench-TIME)")
+    b.add_argument("--pair-synthetic", action="store_true",
+                   help="also run each cell on synthetic data, to show what the input pipeline costs")
+    st = sub.add_parser("study", help="train every configuration of a grid; accuracy, time and time to target")
+    _recipe_args(st)
+    st.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
+    st.add_argument("--until", help="epochs=E (run length), accuracy=A or loss=L (target for the time to target)")
+    st.add_argument("--out", help="output directory (default runs/study-TIME)")
+    rp = sub.add_parser("report", help="write report.html and report.md from bench/study/run directories")
+    rp.add_argument("dirs", nargs="+", type=Path)
+    rp.add_argument("--out", type=Path, help="output directory (default: report/ in the first DIR)")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
     return p
 
@@ -60,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, doc in field_docs().items():
             print(f"{k:28s} {doc}")
         return 0
+    if args.command == "report":
+        from .report import main as report_main
+
+        return report_main(args)
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
@@ -68,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "resume", False) and not args.run_dir:
         print("scaletrain: --resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
+    if args.command in ("bench", "study"):
+        from . import bench, study
+
+        return (bench if args.command == "bench" else study).main(args)
     run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     from .launch.env import LaunchError
     from .train import RunError
@@ -128,6 +153,7 @@ def _train(args, cfg, run_dir: Path) -> int:
     from .train import RunError, prepare_run_dir, train  # torch is imported only once the config is valid
 
     progress = not args.quiet
+    launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
     try:
         if cfg.distributed:
             if launch_env.in_torchrun() or launch_env.in_slurm_step():

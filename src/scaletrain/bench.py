@@ -1,0 +1,129 @@
+"""`scaletrain bench`: throughput of every combination of a grid, as result rows.
+
+Each cell is a real `scaletrain train` run (single process, local launcher,
+or Slurm inside an allocation) of warm-up + measured steps, with the first
+`warmup` steps left out of the throughput; evaluation is off. One JSON row
+per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
+standard error and jitter, bytes per step, staleness), then speedup and
+efficiency (figures.py) are added and the table printed and written to
+OUT/bench.md. A cell that cannot run (e.g. an impossible placement) is a row
+with its error; the others still run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import figures
+
+KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
+        "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
+        "bytes_per_step", "staleness_mean", "staleness_p95", "staleness_max", "dropped_gradients",
+        "git_commit", "host", "device", "torch_version", "python_version", "model", "parameters")
+
+
+class GridError(ValueError):
+    pass
+
+
+def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
+    """Each item is KEY=V1,V2,... or, for keys that move together, K1+K2=A1:A2,B1:B2
+    (e.g. strategy.name+cluster.num_ps=allreduce:0,sync:1)."""
+    grid = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        keys = tuple(k.strip() for k in key.split("+"))
+        vals = [tuple(x.strip() for x in v.split(":")) for v in values.split(",") if v.strip()]
+        if not sep or not all(keys) or not vals or any(len(v) != len(keys) for v in vals):
+            raise GridError(f"--grid {item!r}: write KEY=V1,V2,... (e.g. cluster.nodes=1,2,4) or "
+                            "K1+K2=A1:A2,B1:B2 for keys that move together")
+        grid.append((keys, vals))
+    return grid
+
+
+def cells(grid) -> list[dict[str, str]]:
+    """Every combination of the grid's entries, as {key: value}."""
+    out = []
+    for combo in itertools.product(*(vals for _, vals in grid)):
+        cell = {}
+        for (keys, _), values in zip(grid, combo):
+            cell.update(zip(keys, values))
+        out.append(cell)
+    return out
+
+
+def cell_name(i: int, cell: dict[str, str], data: str) -> str:
+    parts = [f"{k.split('.')[-1]}-{v}" for k, v in cell.items()] + ([data] if data != "real" else [])
+    return f"{i:03d}-" + "_".join(parts).replace("/", "-")
+
+
+def run_cell(recipe: str, sets: list[str], run_dir: Path, row: dict[str, Any]) -> dict[str, Any] | None:
+    """One `scaletrain train` run; its summary, or None with row["error"] set."""
+    from .cli import main as cli_main
+
+    t0 = time.perf_counter()
+    rc = cli_main(["train", "--recipe", recipe, "--run-dir", str(run_dir), "--quiet",
+                   *(a for s in sets for a in ("--set", s))])
+    row.update(run_dir=str(run_dir), wall_seconds=time.perf_counter() - t0)
+    summary = run_dir / "summary.json"
+    if rc or not summary.exists():
+        row["error"] = f"exit status {rc}" + (f"; see {run_dir / 'logs'}" if (run_dir / "logs").exists() else "")
+        return None
+    return json.loads(summary.read_text())
+
+
+def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
+        out: Path, pair_synthetic: bool = False, progress: bool = True) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(c, d) for c in cells(grid) for d in (("real", "synthetic") if pair_synthetic else ("real",))]
+    timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", "train.eval_every=0",
+              f"train.log_every={max(1, steps // 8)}"]
+    rows = []
+    with open(out / "bench.jsonl", "w") as fh:
+        for i, (cell, data) in enumerate(plan):
+            label = ", ".join(f"{k}={v}" for k, v in cell.items()) + ("" if data == "real" else " (synthetic data)")
+            print(f"[{i + 1}/{len(plan)}] {label}", flush=True)
+            run_dir = out / "cells" / cell_name(i, cell, data)
+            sets = [*overrides, *(f"{k}={v}" for k, v in cell.items()), *timing,
+                    *(["data.name=synthetic"] if data == "synthetic" else [])]
+            row: dict[str, Any] = {"cell": cell, "data": data, "label": label}
+            s = run_cell(recipe, sets, run_dir, row)
+            if s is not None:
+                row.update({k: s.get(k) for k in KEEP})
+                row["config"] = _config(run_dir)
+            rows.append(row)
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+    rows = figures.add_scaling(rows)
+    table = figures.scaling_table(rows)
+    (out / "bench.md").write_text(table + "\n")
+    (out / "bench-rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    if progress:
+        print(table)
+    from .report import write_report
+
+    print(f"report: {write_report([out], out / 'report')}")
+    return rows
+
+
+def _config(run_dir: Path) -> dict[str, Any]:
+    from .config import load_config
+
+    return load_config(run_dir / "config.toml").flat()
+
+
+def main(args) -> int:
+    try:
+        grid = parse_grid(args.grid)
+    except GridError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = run(args.recipe, args.overrides, grid, args.warmup, args.steps, out, args.pair_synthetic)
+    print(f"bench: {sum(not r.get('error') for r in rows)}/{len(rows)} cells measured; rows in {out / 'bench.jsonl'}")
+    return 1 if any(r.get("error") for r in rows) and all(r.get("error") for r in rows) else 0

@@ -1,0 +1,238 @@
+"""`scaletrain report DIR...`: the study's tables and plots as report.md and report.html.
+
+A DIR is a bench output (bench-rows.json), a study output (study-rows.json)
+or a single run (summary.json). Plots are PNG files beside report.md; the
+HTML embeds the same PNGs, so report.html is one self-contained file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from . import figures
+
+
+def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
+    bench_rows, study_rows, runs = [], [], []
+    for d in dirs:
+        if (d / "bench-rows.json").exists():
+            bench_rows += json.loads((d / "bench-rows.json").read_text())
+        elif (d / "study-rows.json").exists():
+            study_rows += json.loads((d / "study-rows.json").read_text())
+        elif (d / "summary.json").exists():
+            s = json.loads((d / "summary.json").read_text())
+            runs.append({**s, "label": d.name, "run_dir": str(d)})
+        else:
+            raise FileNotFoundError(f"{d}: neither a bench, a study nor a run directory "
+                                    "(no bench-rows.json, study-rows.json or summary.json)")
+    return bench_rows, study_rows, runs
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path, name: str, made: list[tuple[str, str]], title: str) -> None:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    _plt().close(fig)
+    made.append((name, title))
+
+
+def _by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
+    groups = defaultdict(list)
+    for r in rows:
+        if not r.get("error"):
+            key = r["strategy"] + ("" if r.get("data") in (None, "real") else f" ({r['data']})")
+            groups[key].append(r)
+    return {k: sorted(v, key=lambda r: r["nodes"]) for k, v in groups.items()}
+
+
+def bench_plots(rows: list[dict], out: Path, made: list) -> None:
+    plt = _plt()
+    groups = _by_strategy(rows)
+    if not groups:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    top = max(r["nodes_total"] for g in groups.values() for r in g)
+    ax.plot([1, top], [1, top], "k--", lw=1, label="ideal")
+    for name, g in groups.items():
+        pts = [r for r in g if r.get("speedup") is not None]
+        if pts:
+            ax.errorbar([r["nodes_total"] for r in pts], [r["speedup"] for r in pts],
+                        yerr=[r["speedup_stderr"] for r in pts], marker="o", capsize=3, label=name)
+    ax.set(xlabel="nodes used (dedicated PS nodes included)", ylabel="speedup", title="Speedup against nodes")
+    ax.legend()
+    _save(fig, out, "speedup.png", made, "Speedup against nodes, with the ideal line")
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name, g in groups.items():
+        ax.errorbar([r["nodes"] for r in g], [r["images_per_sec"] for r in g],
+                    yerr=[r.get("images_per_sec_stderr") or 0 for r in g], marker="o", capsize=3, label=name)
+    ax.set(xlabel="worker nodes", ylabel="images/s (all replicas)", title="Throughput per strategy")
+    ax.legend()
+    _save(fig, out, "throughput.png", made, "Throughput per strategy")
+
+
+def _curves(run_dir: str) -> dict[str, list[dict]]:
+    from .study import curves
+
+    return curves(Path(run_dir))
+
+
+def learning_plots(rows: list[dict], out: Path, made: list, target: tuple[str, float] | None = None) -> None:
+    plt = _plt()
+    rows = [r for r in rows if not r.get("error") and (Path(r["run_dir"]) / "metrics.jsonl").exists()]
+    if not rows:
+        return
+    data = [(r, _curves(r["run_dir"])) for r in rows]
+    for name, x, title in (("loss-time.png", "t", "Train loss against wall time"),
+                           ("loss-steps.png", "step", "Train loss against steps")):
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for r, c in data:
+            ax.plot([p[x] for p in c["train"]], [p["loss"] for p in c["train"]], label=figures.setup(r))
+        ax.set(xlabel="seconds" if x == "t" else "step", ylabel="train loss", title=title)
+        ax.legend(fontsize=7)
+        _save(fig, out, name, made, title)
+    if any(c["eval"] for _, c in data):
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for r, c in data:
+            ax.plot([p["t"] for p in c["eval"]], [p["test_accuracy"] for p in c["eval"]], marker=".",
+                    label=figures.setup(r))
+        ax.set(xlabel="seconds", ylabel="test accuracy", title="Test accuracy against time")
+        ax.legend(fontsize=7)
+        _save(fig, out, "accuracy-time.png", made, "Test accuracy against time")
+    groups = _by_strategy([r for r in rows if r.get("test_accuracy") is not None])
+    if groups:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for name, g in groups.items():
+            ax.plot([r["nodes"] for r in g], [r["test_accuracy"] for r in g], marker="o", label=name)
+        ax.set(xlabel="worker nodes", ylabel="final test accuracy", title="Accuracy against nodes")
+        ax.legend()
+        _save(fig, out, "accuracy-nodes.png", made, "Final test accuracy against nodes, per strategy")
+    if target and any(r.get("time_to_target") for r in rows):
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for name, g in _by_strategy(rows).items():
+            pts = [r for r in g if r.get("time_to_target")]
+            ax.plot([r["nodes"] for r in pts], [r["time_to_target"] for r in pts], marker="o", label=name)
+        ax.set(xlabel="worker nodes", ylabel="seconds", title=f"Time to {target[0]} {target[1]:g}")
+        ax.legend()
+        _save(fig, out, "time-to-target.png", made, "Time to target against nodes")
+
+
+def staleness_plot(summaries: list[dict], out: Path, made: list) -> None:
+    stale = [s for s in summaries if s.get("staleness_hist") and sum(s["staleness_hist"][1:])]
+    if not stale:
+        return
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for s in stale:
+        hist = s["staleness_hist"]
+        last = max(i for i, v in enumerate(hist) if v) + 1
+        total = sum(hist)
+        ax.plot(range(last), [v / total for v in hist[:last]], marker="o",
+                label=f"{figures.setup(s)} (mean {s['staleness_mean']:.2f})")
+    ax.set(xlabel="staleness (updates)", ylabel="fraction of gradients", title="Staleness histograms")
+    ax.legend(fontsize=7)
+    _save(fig, out, "staleness.png", made, "Staleness of applied gradients")
+
+
+def _summaries(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        p = Path(r.get("run_dir", "")) / "summary.json"
+        if not r.get("error") and p.exists():
+            out.append({**json.loads(p.read_text()), "label": r.get("label")})
+    return out
+
+
+def write_report(dirs: list[Path], out: Path) -> Path:
+    """Write OUT/report.md, OUT/report.html and the PNGs; returns the HTML's path."""
+    bench_rows, study_rows, runs = _load([Path(d) for d in dirs])
+    out.mkdir(parents=True, exist_ok=True)
+    made: list[tuple[str, str]] = []
+    sections = []
+    if bench_rows:
+        sections.append(("Throughput, speedup and efficiency", figures.scaling_table(bench_rows), DEFINITIONS))
+        bench_plots(bench_rows, out, made)
+    if study_rows:
+        from .study import study_table
+
+        until = study_rows[0].get("until")
+        until = tuple(until) if until else None
+        sections.append(("Learning: accuracy and time", study_table(study_rows, until), STUDY_DEFINITIONS))
+        learning_plots(study_rows, out, made, until)
+    if runs:
+        lines = ["| Run | Strategy | Replicas | Steps | img/s | Test accuracy |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['label']} | {r.get('strategy', '-')} | {r.get('replicas', 1)} | {r['steps']} | "
+                  f"{r['images_per_sec']:.1f} | {r.get('test_accuracy') or '-'} |" for r in runs]
+        sections.append(("Runs", "\n".join(lines), ""))
+        learning_plots(runs, out, made)
+    staleness_plot(_summaries(bench_rows + study_rows) + runs, out, made)
+    md = ["# scaletrain report", ""]
+    for title, table, notes in sections:
+        md += [f"## {title}", "", table, "", notes, ""] if notes else [f"## {title}", "", table, ""]
+    md += ["## Plots", ""] + [f"![{t}]({name})" for name, t in made] + [""]
+    (out / "report.md").write_text("\n".join(md))
+    (out / "report.html").write_text(_html(sections, made, out))
+    return out / "report.html"
+
+
+DEFINITIONS = ("Throughput: images per second over all replicas, the first `--warmup` steps left out, ± the "
+               "standard error over log windows. Speedup: throughput over that of the 1-node configuration of "
+               "the same strategy. Efficiency: speedup over the nodes used, dedicated PS nodes included (the "
+               "study's definition).")
+STUDY_DEFINITIONS = ("Workers (GPUs): replicas. Test accuracy: at the end (best during the run). Time: wall time "
+                     "of the run, or the time until the target was first reached. Improvement: the baseline's "
+                     "time (the configuration with the fewest replicas) over this one's.")
+
+
+def _md_table_html(table: str) -> str:
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if not set(line.replace("|", "").strip()) <= {"-"}]
+    head, body = rows[0], rows[1:]
+    return ("<table><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
+            + "</tbody></table>")
+
+
+def _html(sections, made, out: Path) -> str:
+    parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'><title>scaletrain report</title>",
+             "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:4px 8px;"
+             "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#eee}"
+             "figure{display:inline-block;margin:8px}img{max-width:460px}</style></head><body>",
+             "<h1>scaletrain report</h1>"]
+    for title, table, notes in sections:
+        parts += [f"<h2>{html.escape(title)}</h2>", _md_table_html(table)]
+        if notes:
+            parts.append(f"<p>{html.escape(notes)}</p>")
+    if made:
+        parts.append("<h2>Plots</h2>")
+    for name, title in made:
+        data = base64.b64encode((out / name).read_bytes()).decode()
+        parts.append(f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(title)}'>"
+                     f"<figcaption>{html.escape(title)}</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def main(args) -> int:
+    out = args.out or Path(args.dirs[0]) / "report"
+    try:
+        path = write_report(args.dirs, out)
+    except FileNotFoundError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0

@@ -1,0 +1,140 @@
+"""`scaletrain study`: learning, not just speed, for every configuration of a grid.
+
+Each cell trains with evaluation on (the recipe's cadence) for the stop
+criterion's length: `epochs=E` sets the run length; `accuracy=A` and
+`loss=L` set the target whose first crossing (test accuracy >= A, train loss
+<= L) gives the time to target, measured on the run's own curve. Rows go to
+OUT/study.jsonl, the table (the study's shape: Workers (GPUs) | Test
+accuracy | Time | Improvement) to OUT/study.md. Improvement = wall time (or
+time to target, when one is set) of the baseline, the cell with the fewest
+replicas, over this cell's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import bench, figures
+
+
+class UntilError(ValueError):
+    pass
+
+
+def parse_until(text: str | None) -> tuple[str, float] | None:
+    if not text:
+        return None
+    what, sep, value = text.partition("=")
+    try:
+        v = float(value)
+    except ValueError:
+        v = None
+    if not sep or what not in ("epochs", "loss", "accuracy") or v is None or v <= 0:
+        raise UntilError(f"--until {text!r}: write epochs=E, loss=L or accuracy=A (a positive number)")
+    return what, v
+
+
+def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The chief's train and eval rows from metrics.jsonl, each with `t` = seconds since the run began."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("rank", 0) == 0]
+    train = [r for r in rows if r["kind"] == "train"]
+    t0 = (train[0]["time"] - train[0]["wall"]) if train else (rows[0]["time"] if rows else 0.0)
+    for r in rows:
+        r["t"] = r["time"] - t0
+    return {"train": train, "eval": [r for r in rows if r["kind"] == "eval"]}
+
+
+def time_to(run_dir: Path, until: tuple[str, float] | None) -> float | None:
+    if until is None or until[0] == "epochs":
+        return None
+    c = curves(run_dir)
+    what, target = until
+    hits = [r["t"] for r in c["eval"] if r.get("test_accuracy", 0) >= target] if what == "accuracy" else \
+        [r["t"] for r in c["train"] if r["loss"] <= target]
+    return hits[0] if hits else None
+
+
+def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
+        progress: bool = True) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    length = [f"train.epochs={until[1]}", "train.steps=0"] if until and until[0] == "epochs" else []
+    rows = []
+    todo = bench.cells(grid)
+    with open(out / "study.jsonl", "w") as fh:
+        for i, cell in enumerate(todo):
+            label = ", ".join(f"{k}={v}" for k, v in cell.items())
+            print(f"[{i + 1}/{len(todo)}] {label}", flush=True)
+            run_dir = out / "cells" / bench.cell_name(i, cell, "real")
+            row: dict[str, Any] = {"cell": cell, "label": label, "until": list(until) if until else None}
+            s = bench.run_cell(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items()), *length], run_dir, row)
+            if s is not None:
+                row.update({k: s.get(k) for k in bench.KEEP})
+                row.update(steps=s["steps"], epochs=s["epochs"], wall_seconds=s["wall_seconds"],
+                           test_accuracy=s.get("test_accuracy"), best_test_accuracy=s.get("best_test_accuracy"),
+                           final_train_loss=s["final_train_loss"], time_to_target=time_to(run_dir, until))
+            rows.append(row)
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+    rows = add_improvement(rows, until)
+    table = study_table(rows, until)
+    (out / "study.md").write_text(table + "\n")
+    (out / "study-rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    if progress:
+        print(table)
+    from .report import write_report
+
+    print(f"report: {write_report([out], out / 'report')}")
+    return rows
+
+
+def _time(row: dict[str, Any], until) -> float | None:
+    return row.get("time_to_target") if until and until[0] != "epochs" else row.get("wall_seconds")
+
+
+def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
+    ok = [r for r in rows if not r.get("error") and _time(r, until)]
+    base = min(ok, key=lambda r: r["replicas"]) if ok else None
+    out = []
+    for r in rows:
+        r = dict(r)
+        t = _time(r, until)
+        r["improvement"] = (_time(base, until) / t) if base is not None and t else None
+        r["baseline"] = base["label"] if base is not None else None
+        out.append(r)
+    return out
+
+
+def study_table(rows: list[dict[str, Any]], until) -> str:
+    target = until and until[0] != "epochs"
+    when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target else "Time"
+    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when} | Steps | Improvement |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['label']} | | not run: {r['error']} | | | |")
+            continue
+        acc = "-" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f} ({r['best_test_accuracy']:.4f})"
+        t = _time(r, until)
+        imp = "-" if r.get("improvement") is None else f"{r['improvement']:.2f}x"
+        lines.append(f"| {figures.setup(r)} | {r['replicas']} | {acc} | "
+                     f"{'not reached' if t is None else f'{t:.1f} s'} | {r['steps']} | {imp} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    try:
+        grid = bench.parse_grid(args.grid)
+        until = parse_until(args.until)
+    except (bench.GridError, UntilError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/study-{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = run(args.recipe, args.overrides, grid, until, out)
+    print(f"study: {sum(not r.get('error') for r in rows)}/{len(rows)} configurations trained; rows in "
+          f"{out / 'study.jsonl'}")
+    return 1 if rows and all(r.get("error") for r in rows) else 0

@@ -1,0 +1,131 @@
+"""Bench, study and report: the figures' math, a real two-cell bench, a report from real runs."""
+
+import json
+import math
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from scaletrain import figures
+from scaletrain.bench import GridError, cells, parse_grid
+from scaletrain.cli import main
+from scaletrain.study import UntilError, parse_until
+
+from conftest import RECIPES
+
+DIGITS = str(RECIPES / "digits.toml")
+
+
+def row(strategy, nodes, total, ips, se, ps=0, placement="alongside", **cell):
+    return {"strategy": strategy, "nodes": nodes, "nodes_total": total, "num_ps": ps, "ps_placement": placement,
+            "images_per_sec": ips, "images_per_sec_stderr": se, "data": "real",
+            "cell": {"cluster.nodes": str(nodes), "cluster.num_ps": str(ps), **cell}}
+
+
+def test_speedup_and_efficiency_follow_the_study():
+    # The study's 4-worker figures (REFERENCE.md): efficiency counts dedicated PS nodes.
+    rows = figures.add_scaling([
+        row("mixed-async", 1, 1, 124.18, 1.0),
+        row("mixed-async", 4, 7, 396.62, 2.0, ps=3, placement="dedicated"),
+        row("mixed-async", 4, 4, 374.73, 2.0, ps=3),
+        row("mixed-async", 4, 4, 292.22, 0.0, ps=1),
+    ])
+    assert [round(r["speedup"], 2) for r in rows] == [1.00, 3.19, 3.02, 2.35]
+    assert [round(r["efficiency"], 2) for r in rows] == [1.00, 0.46, 0.75, 0.59]
+    assert rows[0]["speedup_stderr"] == 0.0
+    # Relative errors add in quadrature.
+    s = 396.62 / 124.18
+    assert rows[1]["speedup_stderr"] == pytest.approx(s * math.hypot(2.0 / 396.62, 1.0 / 124.18))
+    assert rows[3]["speedup_stderr"] == pytest.approx(292.22 / 124.18 * math.hypot(0.0, 1.0 / 124.18))
+    assert figures.setup(rows[1]) == "mixed-async, 7 nodes (4 workers + 3 dedicated PS)"
+    assert figures.setup(rows[3]) == "mixed-async, 4 nodes (4 workers + 1 PS alongside)"
+    table = figures.scaling_table(rows).splitlines()
+    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency |"
+    assert table[3] == "| mixed-async, 7 nodes (4 workers + 3 dedicated PS) | 396.6 ± 2.0 | 3.19 ± 0.03 | 0.46 |"
+
+
+def test_baseline_is_the_same_strategy_and_other_keys():
+    rows = figures.add_scaling([
+        row("sync", 1, 1, 100.0, 0.0, **{"data.batch_size": "32"}),
+        row("sync", 1, 1, 150.0, 0.0, **{"data.batch_size": "64"}),
+        row("allreduce", 2, 2, 500.0, 0.0, **{"data.batch_size": "64"}),
+        row("sync", 2, 2, 240.0, 0.0, **{"data.batch_size": "64"}),
+    ])
+    assert rows[3]["speedup"] == pytest.approx(1.6)  # against the batch-64 sync cell
+    assert rows[2]["speedup"] is None and rows[2]["efficiency"] is None  # no 1-node allreduce cell
+
+
+def test_grid_and_until_parsing():
+    grid = parse_grid(["cluster.nodes=1,2", "strategy.name+cluster.num_ps=allreduce:0,sync:1"])
+    assert cells(grid) == [
+        {"cluster.nodes": "1", "strategy.name": "allreduce", "cluster.num_ps": "0"},
+        {"cluster.nodes": "1", "strategy.name": "sync", "cluster.num_ps": "1"},
+        {"cluster.nodes": "2", "strategy.name": "allreduce", "cluster.num_ps": "0"},
+        {"cluster.nodes": "2", "strategy.name": "sync", "cluster.num_ps": "1"},
+    ]
+    for bad in ("cluster.nodes", "cluster.nodes=", "a+b=1:2,3"):
+        with pytest.raises(GridError):
+            parse_grid([bad])
+    assert parse_until("accuracy=0.9") == ("accuracy", 0.9)
+    with pytest.raises(UntilError):
+        parse_until("speed=3")
+
+
+class Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.images, self.cells = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+
+    def handle_data(self, data):
+        if self.tags and self.tags[-1] in ("td", "th"):
+            self.cells.append(data)
+
+
+def check_report(html_path: Path) -> Page:
+    page = Page()
+    page.feed(html_path.read_text())
+    page.close()
+    assert page.images and all(src.startswith("data:image/png;base64,") for src in page.images)
+    md = (html_path.parent / "report.md").read_text()
+    refs = [line[line.index("](") + 2:-1] for line in md.splitlines() if line.startswith("![")]
+    assert refs and all((html_path.parent / r).stat().st_size > 1000 for r in refs)
+    assert len(refs) == len(page.images)
+    return page
+
+
+def test_two_cell_bench_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "cluster.nodes=1,2",
+                 "--warmup", "3", "--steps", "16", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert [r["nodes"] for r in rows] == [1, 2] and all(r["images_per_sec"] > 0 for r in rows)
+    assert all(r["config"]["train.steps"] == 19 and r["git_commit"] and r["torch_version"] for r in rows)
+    assert rows[1]["timed_windows"] >= 2 and rows[1]["images_per_sec_stderr"] >= 0
+    scaled = json.loads((out / "bench-rows.json").read_text())
+    assert scaled[1]["speedup"] == pytest.approx(rows[1]["images_per_sec"] / rows[0]["images_per_sec"])
+    assert scaled[1]["efficiency"] == pytest.approx(scaled[1]["speedup"] / 2)
+    page = check_report(out / "report" / "report.html")
+    assert "allreduce, 2 nodes (2 workers)" in page.cells
+
+
+def test_report_from_run_dirs(tmp_path, capsys):
+    runs = []
+    for name, sets in (("single", []), ("mixed", ["cluster.nodes=2", "cluster.num_ps=1",
+                                                   "strategy.name=mixed-async"])):
+        runs.append(tmp_path / name)
+        assert main(["train", "--recipe", DIGITS, "--run-dir", str(runs[-1]), "--quiet",
+                     *sum((["--set", s] for s in ["data.workers=0", "train.steps=30", "train.eval_every=10",
+                                                  "train.log_every=5", *sets]), [])]) == 0
+    assert main(["report", *map(str, runs), "--out", str(tmp_path / "rep")]) == 0
+    page = check_report(tmp_path / "rep" / "report.html")
+    assert "single" in page.cells and "mixed" in page.cells
+    names = {p.name for p in (tmp_path / "rep").glob("*.png")}
+    assert {"loss-time.png", "loss-steps.png", "accuracy-time.png", "staleness.png"} <= names
+    assert main(["report", str(tmp_path / "nothing-here")]) == 2
+    assert "neither a bench, a study nor a run directory" in capsys.readouterr().err
