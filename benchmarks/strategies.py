@@ -37,14 +37,21 @@ def stdout_to_stderr():
         os.close(saved)
 
 
-def run(recipe: Path, overrides: list[str]) -> dict:
+def run_rows(recipe: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
+    """A real run's summary and the chief's train rows."""
     with tempfile.TemporaryDirectory() as d, stdout_to_stderr():
         args = ["train", "--recipe", str(recipe), "--run-dir", d, "--quiet"]
         for o in overrides:
             args += ["--set", o]
         if cli(args) != 0:
             raise SystemExit(f"benchmark run failed: {' '.join(overrides)}")
-        return json.loads((Path(d) / "summary.json").read_text())
+        rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+        return json.loads((Path(d) / "summary.json").read_text()), \
+            [r for r in rows if r["kind"] == "train" and r.get("rank", 0) == 0]
+
+
+def run(recipe: Path, overrides: list[str]) -> dict:
+    return run_rows(recipe, overrides)[0]
 
 
 def main() -> None:

@@ -129,3 +129,60 @@ def test_report_from_run_dirs(tmp_path, capsys):
     assert {"loss-time.png", "loss-steps.png", "accuracy-time.png", "staleness.png"} <= names
     assert main(["report", str(tmp_path / "nothing-here")]) == 2
     assert "neither a bench, a study nor a run directory" in capsys.readouterr().err
+
+
+# --- staleness emulation ----------------------------------------------------------------------------
+
+EMU = ["model.norm=group", "optim.schedule=constant", "optim.warmup_steps=0", "data.augment=none",
+       "train.deterministic=true", "train.steps=40", "data.workers=0", "train.eval_every=20", "train.log_every=10"]
+
+
+def train_run(tmp_path, name, *sets, resume=False):
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / name
+    assert main(["train", "--recipe", DIGITS, "--run-dir", str(run_dir), "--quiet", *(["--resume"] if resume else []),
+                 *sum((["--set", s] for s in sets), [])]) == 0
+    return json.loads((run_dir / "summary.json").read_text()), load_file(str(run_dir / "model.safetensors"))
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_emulated_workers_staleness_is_k_minus_1(tmp_path):
+    s, _ = train_run(tmp_path, "k8", *EMU, "strategy.emulate_workers=8")
+    # The first 7 gradients have no older version to be computed on; every later one is 7 updates stale.
+    assert s["staleness_hist"][:9] == [1, 1, 1, 1, 1, 1, 1, 33, 0]
+    assert s["emulated_workers"] == 8 and s["staleness_max"] == 7
+    assert s["staleness_mean"] == pytest.approx((sum(range(7)) + 33 * 7) / 40)
+
+
+def test_one_emulated_worker_is_plain_training_exactly(tmp_path):
+    _, plain = train_run(tmp_path, "plain", *EMU)
+    s, one = train_run(tmp_path, "k1", *EMU, "strategy.emulate_workers=1")
+    assert max_diff(plain, one) == 0.0 and s["staleness_max"] == 0
+    _, four = train_run(tmp_path, "k4", *EMU, "strategy.emulate_workers=4")
+    assert max_diff(plain, four) > 1e-3  # and staleness changes the result
+
+
+def test_emulated_run_resumes_exactly(tmp_path):
+    _, straight = train_run(tmp_path, "straight", *EMU, "strategy.emulate_workers=4")
+    train_run(tmp_path, "split", *EMU, "strategy.emulate_workers=4", "train.steps=20")
+    s, resumed = train_run(tmp_path, "split", *EMU, "strategy.emulate_workers=4", resume=True)
+    assert s["start_step"] == 20 and max_diff(straight, resumed) <= 1e-6
+
+
+def test_emulation_is_single_process_only(capsys):
+    assert main(["train", "--recipe", DIGITS, "--set", "strategy.emulate_workers=4", "--set", "cluster.nodes=2"]) == 2
+    assert "runs in one process" in capsys.readouterr().err
+
+
+def test_bench_pairs_synthetic_data(tmp_path):
+    out = tmp_path / "pair"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "optim.name=sgd",
+                 "--warmup", "2", "--steps", "8", "--out", str(out), "--pair-synthetic"]) == 0
+    rows = json.loads((out / "bench-rows.json").read_text())
+    assert [r["data"] for r in rows] == ["real", "synthetic"]
+    assert rows[0]["config"]["data.name"] == "digits" and rows[1]["config"]["data.name"] == "synthetic"
+    assert rows[1]["speedup"] == 1.0  # each data kind is its own baseline

@@ -120,6 +120,8 @@ class StrategyConfig:
     backup_workers: int = opt(0, "backup: node gradients a version may go without, b (0..nodes-1)", lo=0, hi=4095)
     slow_node: int = opt(-1, "testing: node whose replicas are slowed down (-1 = none)", lo=-1, hi=4095)
     slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
+    emulate_workers: int = opt(0, "one process trains as K equal-speed asynchronous workers would: each "
+                               "gradient K-1 updates stale (0 = off; 1..1024)", lo=0, hi=1024)
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,9 @@ def _check_relations(cfg: Config) -> None:
     if s.name == "backup" and s.backup_workers >= c.nodes:
         raise ConfigError(f"strategy.backup_workers = {s.backup_workers}: must be below cluster.nodes = {c.nodes} "
                           "(a version needs at least one node's gradient)")
+    if s.emulate_workers and (cfg.distributed or s.name != "allreduce"):
+        raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: leave strategy.name "
+                          "= 'allreduce', cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:

@@ -55,12 +55,16 @@ def add_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def setup(row: dict[str, Any]) -> str:
-    """'mixed-async, 7 nodes (4 workers + 3 dedicated PS)' in the study's words."""
+    """'mixed-async, 7 nodes (4 workers + 3 dedicated PS)' in the study's words (a worker is
+    a node's worker; 'x 2 replicas' when it drives several GPUs)."""
     n, total, ps = row["nodes"], row["nodes_total"], row.get("num_ps", 0)
     where = "" if not ps else f" + {ps} {'dedicated ' if row.get('ps_placement') == 'dedicated' else ''}PS" + \
         ("" if row.get("ps_placement") == "dedicated" else " alongside")
     data = f", {row['data']} data" if row.get("data") not in (None, "real") else ""
-    return f"{row['strategy']}, {total} node{'s' if total > 1 else ''} ({n} worker{'s' if n > 1 else ''}{where}){data}"
+    g = row.get("gpus_per_node") or 1
+    per = f" x {g} replicas" if g > 1 else ""
+    return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
+            f"({n} worker{'s' if n > 1 else ''}{per}{where}){data}")
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> str:

@@ -188,7 +188,7 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     return out / "report.html"
 
 
-DEFINITIONS = ("Throughput: images per second over all replicas, the first `--warmup` steps left out, ± the "
+DEFINITIONS = ("Throughput: images per second over all replicas, the first --warmup steps left out, ± the "
                "standard error over log windows. Speedup: throughput over that of the 1-node configuration of "
                "the same strategy. Efficiency: speedup over the nodes used, dedicated PS nodes included (the "
                "study's definition).")

@@ -156,16 +156,18 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     info = run_info(device)
 
     def save_checkpoint(step: int) -> None:
-        checkpoint.save(run_dir / "checkpoints", step, {
-            "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "rng": checkpoint.rng_state(), "config": cfg.flat(), "best_test_accuracy": best,
-            "bad": sorted(bad), **strategy.snapshot()}, keep=t.keep_checkpoints)
+        with strategy.latest():
+            checkpoint.save(run_dir / "checkpoints", step, {
+                "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "rng": checkpoint.rng_state(), "config": cfg.flat(), "best_test_accuracy": best,
+                "bad": sorted(bad), **strategy.snapshot()}, keep=t.keep_checkpoints)
 
     def run_eval(step: int) -> dict[str, float]:
         nonlocal best
         if evaluation is None or not chief:
             return {}
-        res = evaluate(model, evaluation, device, policy, bad)
+        with strategy.latest():
+            res = evaluate(model, evaluation, device, policy, bad)
         if res:
             best = max(best or 0.0, res["test_accuracy"])
             rec.row("eval", step, epoch=step / per_epoch, **res)
@@ -269,6 +271,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         "nodes_total": ctx.plan.nodes_total,
         **info,
         **job,
+        **strategy.stats(),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

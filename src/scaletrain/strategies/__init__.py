@@ -37,6 +37,10 @@ def entry(cfg) -> Entry:
 
 
 def build_strategy(cfg, ctx, model, optimizer) -> Strategy:
+    if cfg.strategy.emulate_workers:
+        from .emulate import EmulatedAsync
+
+        return EmulatedAsync(cfg, ctx, model, optimizer, cfg.strategy.emulate_workers)
     e = entry(cfg)
     options = {"per_node": e.per_node} if e.uses_ps else {}
     return e.make(cfg, ctx, model, optimizer, **options)

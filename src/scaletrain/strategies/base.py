@@ -9,7 +9,7 @@ asks which strategy it runs.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,14 @@ class Strategy:
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's state (every worker calls it, after loading the model)."""
+
+    def latest(self):
+        """Context in which the model holds the newest values (for evaluation and checkpoints)."""
+        return nullcontext()
+
+    def stats(self) -> dict:
+        """Figures for a single-process summary (distributed runs gather theirs)."""
+        return {}
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:

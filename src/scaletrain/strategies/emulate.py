@@ -1,0 +1,86 @@
+"""Asynchronous training emulated in one process: deterministic delayed gradients.
+
+K asynchronous workers of equal speed take turns: each pulls the current
+values, computes a gradient while the K-1 others each apply one, and pushes
+it. So in steady state every gradient is applied K-1 updates after the
+version it was computed on (the first K-1 are less stale: the run has no
+older versions). Here one process computes every gradient on the parameters
+of version max(0, v - (K-1)) and applies it to the current values, so a
+study can explore 16-64 workers on one machine, exactly reproducibly.
+K = 1 is plain training. Memory: K copies of the parameters.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from ..optim import build_optimizer
+from .base import Strategy
+
+HIST_BINS = 64
+
+
+class EmulatedAsync(Strategy):
+    def __init__(self, cfg, ctx, model, optimizer, workers: int) -> None:
+        super().__init__(cfg, ctx, model, optimizer)
+        self.k = workers
+        self.current = [p.detach().clone() for p in self.params]  # the server's values
+        self.server_opt = build_optimizer(cfg.optim, self.current)
+        self.history = deque([[c.clone() for c in self.current]], maxlen=workers)  # the last K versions
+        self.version = 0
+        self.hist = [0] * HIST_BINS
+
+    def step(self, lr: float) -> None:
+        staleness = self.version - max(0, self.version - (self.k - 1))
+        self.hist[min(staleness, HIST_BINS - 1)] += 1
+        for c, g in zip(self.current, self.grads()):
+            c.grad = g
+        for group in self.server_opt.param_groups:
+            group["lr"] = lr
+        self.server_opt.step()
+        self.version += 1
+        self.history.append([c.clone() for c in self.current])
+        self._load(self.history[0])  # the next gradient is computed on version max(0, v - (K-1))
+        self.counters.steps += 1
+
+    def _load(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params, values):
+                p.copy_(v)
+
+    @contextmanager
+    def latest(self):
+        """The current values in the model (for evaluation and checkpoints), then back."""
+        stale = [p.detach().clone() for p in self.params]
+        self._load(self.current)
+        try:
+            yield
+        finally:
+            self._load(stale)
+
+    def finish(self) -> None:
+        self._load(self.current)
+
+    def snapshot(self) -> dict:
+        return {"emulator": {"version": self.version, "history": list(self.history), "hist": list(self.hist),
+                             "optimizer": self.server_opt.state_dict()}}
+
+    def restore(self, state: dict) -> None:
+        e = state["emulator"]
+        self.version, self.hist = e["version"], list(e["hist"])
+        self.history = deque(e["history"], maxlen=self.k)
+        with torch.no_grad():
+            for c, v in zip(self.current, self.history[-1]):
+                c.copy_(v)
+        self.server_opt.load_state_dict(e["optimizer"])
+        self._load(self.history[0])
+
+    def stats(self) -> dict:
+        n = sum(self.hist)
+        mean = sum(i * c for i, c in enumerate(self.hist)) / n if n else 0.0
+        return {"emulated_workers": self.k, "staleness_mean": mean,
+                "staleness_max": max((i for i, c in enumerate(self.hist) if c), default=0),
+                "staleness_hist": self.hist}
