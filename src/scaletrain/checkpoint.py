@@ -109,7 +109,11 @@ def load_agreed(ckpt_dir: Path, distributed: bool) -> tuple[dict[str, Any], Path
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Keys (flat, dotted) whose values differ and that matter for resuming."""
+    """Keys (flat, dotted) whose values differ and that matter for resuming. A key the
+    saved config lacks (written before the key existed) counts as its default."""
+    from .config import Config
+
+    saved = {**Config().flat(), **saved}
     keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
     return sorted(k for k in keys if saved.get(k) != current.get(k))
 

@@ -121,7 +121,7 @@ class StrategyConfig:
     slow_node: int = opt(-1, "testing: node whose replicas are slowed down (-1 = none)", lo=-1, hi=4095)
     slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
     emulate_workers: int = opt(0, "one process trains as K equal-speed asynchronous workers would: each "
-                               "gradient K-1 updates stale (0 = off; 1..1024)", lo=0, hi=1024)
+                               "gradient K-1 updates stale (0 = off; 1..64)", lo=0, hi=64)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,11 @@ SCALING_KEYS = ("cluster.nodes", "cluster.num_ps", "cluster.ps_placement", "stra
 
 
 def baseline(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The 1-node row of the same strategy and data, preferring one that differs
-    only in the scaling keys; None when the grid has none."""
-    ones = [r for r in rows if not r.get("error") and r["nodes"] == 1 and r["strategy"] == row["strategy"]
-            and r.get("data") == row.get("data")]
-    same = [r for r in ones if _rest(r) == _rest(row)]
-    pick = same or ones
-    return max(pick, key=lambda r: r["images_per_sec"]) if pick else None
+    """The 1-node row of the same strategy and data that differs only in the scaling keys;
+    None when the grid has none (then no speedup is claimed)."""
+    same = [r for r in rows if not r.get("error") and r["nodes"] == 1 and r["strategy"] == row["strategy"]
+            and r.get("data") == row.get("data") and _rest(r) == _rest(row)]
+    return same[0] if same else None
 
 
 def _rest(row: dict[str, Any]) -> dict[str, Any]:
@@ -63,8 +61,9 @@ def setup(row: dict[str, Any]) -> str:
     data = f", {row['data']} data" if row.get("data") not in (None, "real") else ""
     g = row.get("gpus_per_node") or 1
     per = f" x {g} replicas" if g > 1 else ""
+    emulated = f", emulating {row['emulated_workers']} workers" if row.get("emulated_workers") else ""
     return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
-            f"({n} worker{'s' if n > 1 else ''}{per}{where}){data}")
+            f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{data}")
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> str:

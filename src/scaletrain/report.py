@@ -20,11 +20,18 @@ from . import figures
 
 def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
     bench_rows, study_rows, runs = [], [], []
+    def rows_of(path: Path) -> list[dict]:  # run directories are kept relative to the rows' folder
+        rows = json.loads(path.read_text())
+        for r in rows:
+            if r.get("run_dir"):
+                r["run_dir"] = str(path.parent / r["run_dir"])
+        return rows
+
     for d in dirs:
         if (d / "bench-rows.json").exists():
-            bench_rows += json.loads((d / "bench-rows.json").read_text())
+            bench_rows += rows_of(d / "bench-rows.json")
         elif (d / "study-rows.json").exists():
-            study_rows += json.loads((d / "study-rows.json").read_text())
+            study_rows += rows_of(d / "study-rows.json")
         elif (d / "summary.json").exists():
             s = json.loads((d / "summary.json").read_text())
             runs.append({**s, "label": d.name, "run_dir": str(d)})
@@ -90,18 +97,19 @@ def _curves(run_dir: str) -> dict[str, list[dict]]:
     return curves(Path(run_dir))
 
 
-def learning_plots(rows: list[dict], out: Path, made: list, target: tuple[str, float] | None = None) -> None:
+def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
+                   target: tuple[str, float] | None = None) -> None:
     plt = _plt()
     rows = [r for r in rows if not r.get("error") and (Path(r["run_dir"]) / "metrics.jsonl").exists()]
     if not rows:
         return
     data = [(r, _curves(r["run_dir"])) for r in rows]
-    for name, x, title in (("loss-time.png", "t", "Train loss against wall time"),
-                           ("loss-steps.png", "step", "Train loss against steps")):
+    for name, x, title in ((prefix + "loss-time.png", "t", "Train loss against training time"),
+                           (prefix + "loss-steps.png", "step", "Train loss against steps")):
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for r, c in data:
             ax.plot([p[x] for p in c["train"]], [p["loss"] for p in c["train"]], label=figures.setup(r))
-        ax.set(xlabel="seconds" if x == "t" else "step", ylabel="train loss", title=title)
+        ax.set(xlabel="training seconds" if x == "t" else "step", ylabel="train loss", title=title)
         ax.legend(fontsize=7)
         _save(fig, out, name, made, title)
     if any(c["eval"] for _, c in data):
@@ -109,9 +117,9 @@ def learning_plots(rows: list[dict], out: Path, made: list, target: tuple[str, f
         for r, c in data:
             ax.plot([p["t"] for p in c["eval"]], [p["test_accuracy"] for p in c["eval"]], marker=".",
                     label=figures.setup(r))
-        ax.set(xlabel="seconds", ylabel="test accuracy", title="Test accuracy against time")
+        ax.set(xlabel="training seconds", ylabel="test accuracy", title="Test accuracy against time")
         ax.legend(fontsize=7)
-        _save(fig, out, "accuracy-time.png", made, "Test accuracy against time")
+        _save(fig, out, prefix + "accuracy-time.png", made, "Test accuracy against training time")
     groups = _by_strategy([r for r in rows if r.get("test_accuracy") is not None])
     if groups:
         fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -119,7 +127,7 @@ def learning_plots(rows: list[dict], out: Path, made: list, target: tuple[str, f
             ax.plot([r["nodes"] for r in g], [r["test_accuracy"] for r in g], marker="o", label=name)
         ax.set(xlabel="worker nodes", ylabel="final test accuracy", title="Accuracy against nodes")
         ax.legend()
-        _save(fig, out, "accuracy-nodes.png", made, "Final test accuracy against nodes, per strategy")
+        _save(fig, out, prefix + "accuracy-nodes.png", made, "Final test accuracy against nodes, per strategy")
     if target and any(r.get("time_to_target") for r in rows):
         fig, ax = plt.subplots(figsize=(5.5, 4))
         for name, g in _by_strategy(rows).items():
@@ -127,7 +135,7 @@ def learning_plots(rows: list[dict], out: Path, made: list, target: tuple[str, f
             ax.plot([r["nodes"] for r in pts], [r["time_to_target"] for r in pts], marker="o", label=name)
         ax.set(xlabel="worker nodes", ylabel="seconds", title=f"Time to {target[0]} {target[1]:g}")
         ax.legend()
-        _save(fig, out, "time-to-target.png", made, "Time to target against nodes")
+        _save(fig, out, prefix + "time-to-target.png", made, "Time to target against nodes")
 
 
 def staleness_plot(summaries: list[dict], out: Path, made: list) -> None:
@@ -171,13 +179,13 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         until = study_rows[0].get("until")
         until = tuple(until) if until else None
         sections.append(("Learning: accuracy and time", study_table(study_rows, until), STUDY_DEFINITIONS))
-        learning_plots(study_rows, out, made, until)
+        learning_plots(study_rows, out, made, "study-", until)
     if runs:
         lines = ["| Run | Strategy | Replicas | Steps | img/s | Test accuracy |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['label']} | {r.get('strategy', '-')} | {r.get('replicas', 1)} | {r['steps']} | "
                   f"{r['images_per_sec']:.1f} | {r.get('test_accuracy') or '-'} |" for r in runs]
         sections.append(("Runs", "\n".join(lines), ""))
-        learning_plots(runs, out, made)
+        learning_plots(runs, out, made, "runs-")
     staleness_plot(_summaries(bench_rows + study_rows) + runs, out, made)
     md = ["# scaletrain report", ""]
     for title, table, notes in sections:

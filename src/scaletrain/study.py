@@ -5,9 +5,10 @@ criterion's length: `epochs=E` sets the run length; `accuracy=A` and
 `loss=L` set the target whose first crossing (test accuracy >= A, train loss
 <= L) gives the time to target, measured on the run's own curve. Rows go to
 OUT/study.jsonl, the table (the study's shape: Workers (GPUs) | Test
-accuracy | Time | Improvement) to OUT/study.md. Improvement = wall time (or
-time to target, when one is set) of the baseline, the cell with the fewest
-replicas, over this cell's.
+accuracy | Time | Improvement) to OUT/study.md. Times are training time:
+evaluation is left out, so its cadence does not count. Improvement = time
+(or time to target, when one is set) of the baseline, the first cell with the
+fewest replicas, over this cell's ("-" when either did not reach the target).
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ def parse_until(text: str | None) -> tuple[str, float] | None:
 
 
 def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """The chief's train and eval rows from metrics.jsonl, each with `t` = seconds since the run began."""
+    """The chief's train and eval rows from metrics.jsonl, each with `t` = training seconds
+    since the run began (time spent evaluating left out, so evaluation cadence does not count)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("rank", 0) == 0]
-    train = [r for r in rows if r["kind"] == "train"]
-    t0 = (train[0]["time"] - train[0]["wall"]) if train else (rows[0]["time"] if rows else 0.0)
+    t0 = next((r["time"] - r["wall"] for r in rows if "wall" in r), rows[0]["time"] if rows else 0.0)
     for r in rows:
-        r["t"] = r["time"] - t0
-    return {"train": train, "eval": [r for r in rows if r["kind"] == "eval"]}
+        r["t"] = r.get("train_wall", r["time"] - t0)  # runs written before train_wall: wall clock
+    return {"train": [r for r in rows if r["kind"] == "train"], "eval": [r for r in rows if r["kind"] == "eval"]}
 
 
 def time_to(run_dir: Path, until: tuple[str, float] | None) -> float | None:
@@ -69,14 +70,16 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
         for i, cell in enumerate(todo):
             label = ", ".join(f"{k}={v}" for k, v in cell.items())
             print(f"[{i + 1}/{len(todo)}] {label}", flush=True)
-            run_dir = out / "cells" / bench.cell_name(i, cell, "real")
             row: dict[str, Any] = {"cell": cell, "label": label, "until": list(until) if until else None}
-            s = bench.run_cell(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items()), *length], run_dir, row)
+            s = bench.run_cell(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items()), *length], out,
+                               bench.cell_name(i, cell, "real"), row)
             if s is not None:
                 row.update({k: s.get(k) for k in bench.KEEP})
                 row.update(steps=s["steps"], epochs=s["epochs"], wall_seconds=s["wall_seconds"],
+                           train_seconds=s["train_seconds"],
                            test_accuracy=s.get("test_accuracy"), best_test_accuracy=s.get("best_test_accuracy"),
-                           final_train_loss=s["final_train_loss"], time_to_target=time_to(run_dir, until))
+                           final_train_loss=s["final_train_loss"],
+                           time_to_target=time_to(out / row["run_dir"], until))
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
@@ -93,12 +96,14 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
 
 
 def _time(row: dict[str, Any], until) -> float | None:
-    return row.get("time_to_target") if until and until[0] != "epochs" else row.get("wall_seconds")
+    return row.get("time_to_target") if until and until[0] != "epochs" else row.get("train_seconds")
 
 
 def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
-    ok = [r for r in rows if not r.get("error") and _time(r, until)]
-    base = min(ok, key=lambda r: r["replicas"]) if ok else None
+    ok = [r for r in rows if not r.get("error")]
+    base = min(ok, key=lambda r: r["replicas"]) if ok else None  # the first one of the fewest replicas
+    if base is not None and not _time(base, until):
+        base = None
     out = []
     for r in rows:
         r = dict(r)
@@ -111,7 +116,8 @@ def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
 
 def study_table(rows: list[dict[str, Any]], until) -> str:
     target = until and until[0] != "epochs"
-    when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target else "Time"
+    when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
+        else "Training time"
     lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when} | Steps | Improvement |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -137,4 +143,4 @@ def main(args) -> int:
     rows = run(args.recipe, args.overrides, grid, until, out)
     print(f"study: {sum(not r.get('error') for r in rows)}/{len(rows)} configurations trained; rows in "
           f"{out / 'study.jsonl'}")
-    return 1 if rows and all(r.get("error") for r in rows) else 0
+    return 1 if any(r.get("error") for r in rows) else 0

@@ -163,20 +163,23 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 "bad": sorted(bad), **strategy.snapshot()}, keep=t.keep_checkpoints)
 
     def run_eval(step: int) -> dict[str, float]:
-        nonlocal best
+        nonlocal best, eval_s
         if evaluation is None or not chief:
             return {}
+        t0 = time.perf_counter()
         with strategy.latest():
             res = evaluate(model, evaluation, device, policy, bad)
         if res:
             best = max(best or 0.0, res["test_accuracy"])
-            rec.row("eval", step, epoch=step / per_epoch, **res)
+            rec.row("eval", step, epoch=step / per_epoch, train_wall=t0 - t_start - eval_s, **res)
             bar.message(f"step {step}: test accuracy {res['test_accuracy']:.4f}  loss {res['test_loss']:.4f}")
+        eval_s += time.perf_counter() - t0
         return res
 
     # Throughput is measured over windows between log points, with the device
     # synchronised at each end; the first `warmup_log_steps` are left out.
     win_images, win_seconds, win_wait, last_loss, compute_s = [], [], [], float("nan"), 0.0
+    eval_s = 0.0  # evaluation time: left out of throughput windows and of train_wall
     t_start = time.perf_counter()
     mark, mark_step, wait, images, loss_acc, n_loss = None, start, 0.0, 0, torch.zeros((), device=device), 0
     it = iter(loader)
@@ -214,7 +217,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 sync(device)  # host-device sync: the clock must see the queued work
                 now = time.perf_counter()
                 last_loss = loss_acc.item() / max(n_loss, 1)
-                row = {"epoch": done / per_epoch, "wall": now - t_start, "loss": last_loss, "lr": lr}
+                row = {"epoch": done / per_epoch, "wall": now - t_start, "train_wall": now - t_start - eval_s,
+                       "loss": last_loss, "lr": lr}
                 if mark is not None and now > mark and done > mark_step:
                     win_images.append(images)
                     win_seconds.append(now - mark)
@@ -227,6 +231,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 n_loss = 0
             if t.eval_every and done % t.eval_every == 0 and done != total:
                 run_eval(done)
+                if mark is not None:  # the next throughput window starts after the evaluation
+                    mark, mark_step, wait, images = time.perf_counter(), done, 0.0, 0
             if chief and t.checkpoint_every and done % t.checkpoint_every == 0 and done != total:
                 save_checkpoint(done)
         final = run_eval(total)
@@ -257,6 +263,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     wall = time.perf_counter() - t_start
     summary = {
         "steps": total, "epochs": total / per_epoch, "wall_seconds": wall,
+        "train_seconds": wall - eval_s, "eval_seconds": eval_s,
         **rate,
         "data_wait_fraction": sum(win_wait) / sum(win_seconds) if win_seconds else None,
         "final_train_loss": last_loss,

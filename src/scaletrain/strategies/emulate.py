@@ -7,7 +7,8 @@ version it was computed on (the first K-1 are less stale: the run has no
 older versions). Here one process computes every gradient on the parameters
 of version max(0, v - (K-1)) and applies it to the current values, so a
 study can explore 16-64 workers on one machine, exactly reproducibly.
-K = 1 is plain training. Memory: K copies of the parameters.
+K = 1 is plain training. Memory: K + 1 copies of the parameters and the
+optimizer state (and checkpoints hold all of them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from ..optim import build_optimizer
 from .base import Strategy
 
-HIST_BINS = 64
+HIST_BINS = 64  # staleness 0..63: enough for strategy.emulate_workers <= 64
 
 
 class EmulatedAsync(Strategy):
