@@ -200,9 +200,9 @@ DEFINITIONS = ("Throughput: images per second over all replicas, the first --war
                "standard error over log windows. Speedup: throughput over that of the 1-node configuration of "
                "the same strategy. Efficiency: speedup over the nodes used, dedicated PS nodes included (the "
                "study's definition).")
-STUDY_DEFINITIONS = ("Workers (GPUs): replicas. Test accuracy: at the end (best during the run). Time: wall time "
-                     "of the run, or the time until the target was first reached. Improvement: the baseline's "
-                     "time (the configuration with the fewest replicas) over this one's.")
+STUDY_DEFINITIONS = ("Workers (GPUs): replicas. Test accuracy: at the end (best during the run). Time: training "
+                     "time (evaluations left out), or that until the target was first reached. Improvement: the "
+                     "baseline's time (the first configuration with the fewest replicas) over this one's.")
 
 
 def _md_table_html(table: str) -> str:
