@@ -104,15 +104,19 @@ def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
             fh.write(json.dumps(row) + "\n")
             fh.flush()
     rows = figures.add_scaling(rows)
-    table = figures.scaling_table(rows)
-    (out / "bench.md").write_text(table + "\n")
-    (out / "bench-rows.json").write_text(json.dumps(rows, indent=1) + "\n")
-    if progress:
-        print(table)
+    publish(out, "bench", rows, figures.scaling_table(rows), progress)
+    return rows
+
+
+def publish(out: Path, kind: str, rows: list[dict[str, Any]], table: str, progress: bool) -> None:
+    """OUT/KIND.md (the table), OUT/KIND-rows.json (what the report reads), then the report."""
     from .report import write_report
 
+    (out / f"{kind}.md").write_text(table + "\n")
+    (out / f"{kind}-rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    if progress:
+        print(table)
     print(f"report: {write_report([out], out / 'report')}")
-    return rows
 
 
 def _config(run_dir: Path) -> dict[str, Any]:

@@ -84,14 +84,7 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
             fh.write(json.dumps(row) + "\n")
             fh.flush()
     rows = add_improvement(rows, until)
-    table = study_table(rows, until)
-    (out / "study.md").write_text(table + "\n")
-    (out / "study-rows.json").write_text(json.dumps(rows, indent=1) + "\n")
-    if progress:
-        print(table)
-    from .report import write_report
-
-    print(f"report: {write_report([out], out / 'report')}")
+    bench.publish(out, "study", rows, study_table(rows, until), progress)
     return rows
 
 
