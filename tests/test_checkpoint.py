@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 from safetensors.torch import load_file

@@ -7,7 +7,6 @@ tests are skipped with that reason; as root a missing package is an error, not a
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 

@@ -21,7 +21,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from .config import Config
