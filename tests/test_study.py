@@ -197,12 +197,13 @@ def test_study_end_to_end(tmp_path):
     slow, fast = rows
     assert fast["time_to_target"] is not None and fast["steps"] == 60 and fast["best_test_accuracy"] >= 0.3
     assert 0 < fast["time_to_target"] <= fast["train_seconds"] <= fast["wall_seconds"]
-    # The baseline is the first cell of the fewest replicas; it may never reach the target.
-    assert rows[0]["baseline"] in (None, "optim.lr=0.01")
-    if slow["time_to_target"]:
-        assert fast["improvement"] == pytest.approx(slow["time_to_target"] / fast["time_to_target"])
+    # The baseline (the first cell of the fewest replicas, lr 0.01) never reaches 0.3 in 60 steps:
+    # no improvement is claimed for anyone.
+    assert slow["best_test_accuracy"] < 0.3 and slow["time_to_target"] is None
+    assert [r["baseline"] for r in rows] == [None, None] and [r["improvement"] for r in rows] == [None, None]
     table = (out / "study.md").read_text().splitlines()
     assert table[0].startswith("| Setup | Workers (GPUs) | Test accuracy (best) | Time to accuracy >= 0.3 |")
+    assert table[2].startswith("| allreduce, 1 node (1 worker), optim.lr=0.01 | 1 |") and "not reached" in table[2]
     page = check_report(out / "report" / "report.html")
     assert {"study-loss-time.png", "study-accuracy-time.png"} <= {p.name for p in (out / "report").glob("*.png")}
     assert len(set(page.images)) == len(page.images)  # no plot twice

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return (bench if args.command == "bench" else study).main(args)
     run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     from .launch.env import LaunchError
-    from .train import RunError
+    from .train import RunError  # torch is imported only once the config is valid
 
     try:
         if args.command == "plan":
@@ -106,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, LaunchError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
-    except RunError as e:
+    except (RunError, *USER_ERRORS) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
+              file=sys.stderr)
+        return 130
 
 
 def _plan(args, cfg, run_dir: Path) -> int:
@@ -128,8 +132,8 @@ def _plan(args, cfg, run_dir: Path) -> int:
         if plan.nodes_total > 1 and c.master_addr in ("127.0.0.1", "localhost"):
             print("# on separate machines, set cluster.master_addr to node 1's host name", file=sys.stderr)
     else:
-        args = ["--recipe", str(Path(args.recipe).resolve()), *(a for o in args.overrides for a in ("--set", o))]
-        print(slurm.script(cfg, run_dir, args), end="")
+        train_args = ["--recipe", str(Path(args.recipe).resolve()), *(a for o in args.overrides for a in ("--set", o))]
+        print(slurm.script(cfg, run_dir, train_args), end="")
     return 0
 
 
@@ -150,40 +154,32 @@ def _slurm(args, cfg, run_dir: Path) -> int:
 def _train(args, cfg, run_dir: Path) -> int:
     from .launch import env as launch_env
     from .launch.env import LaunchError
-    from .train import RunError, prepare_run_dir, train  # torch is imported only once the config is valid
+    from .train import prepare_run_dir, train
 
     progress = not args.quiet
     launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
-    try:
-        if cfg.distributed:
-            if launch_env.in_torchrun() or launch_env.in_slurm_step():
-                from .launch.entry import exit_now, run  # this process is one of the job's
+    if not cfg.distributed:
+        summary = train(cfg, run_dir, resume=args.resume, progress=progress)
+    else:
+        in_job = launch_env.in_torchrun() or launch_env.in_slurm_step()  # this process is one of the job's
+        if in_job and not args.run_dir:
+            raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
+        prepare_run_dir(run_dir, args.resume, cfg)
+        if in_job:
+            from .launch.entry import exit_now, run
 
-                if not args.run_dir:
-                    raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
-                prepare_run_dir(run_dir, args.resume, cfg)
-                exit_now(run(cfg, run_dir, args.resume, progress, node=args.plan_node))
-            prepare_run_dir(run_dir, args.resume, cfg)
-            if launch_env.in_slurm_allocation():
-                from .launch.slurm import run_job
+            exit_now(run(cfg, run_dir, args.resume, progress, node=args.plan_node))
+        if launch_env.in_slurm_allocation():
+            from .launch.slurm import run_job
 
-                rc = run_job(cfg, run_dir, args.resume, progress)
-            else:
-                from .launch.local import launch
-
-                rc = launch(cfg, run_dir, resume=args.resume, progress=progress)
-            if rc:
-                return rc
-            summary = json.loads((run_dir / "summary.json").read_text())
+            rc = run_job(cfg, run_dir, args.resume, progress)
         else:
-            summary = train(cfg, run_dir, resume=args.resume, progress=progress)
-    except (RunError, *USER_ERRORS) as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
-              file=sys.stderr)
-        return 130
+            from .launch.local import launch
+
+            rc = launch(cfg, run_dir, resume=args.resume, progress=progress)
+        if rc:
+            return rc
+        summary = json.loads((run_dir / "summary.json").read_text())
     print(f"run dir: {run_dir}")
     print(summary_line(summary))
     return 0

@@ -236,9 +236,9 @@ def _check_relations(cfg: Config) -> None:
     if s.name == "backup" and s.backup_workers >= c.nodes:
         raise ConfigError(f"strategy.backup_workers = {s.backup_workers}: must be below cluster.nodes = {c.nodes} "
                           "(a version needs at least one node's gradient)")
-    if s.emulate_workers and (cfg.distributed or s.name != "allreduce"):
-        raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: leave strategy.name "
-                          "= 'allreduce', cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
+    if s.emulate_workers and cfg.distributed:
+        raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
+                          "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:

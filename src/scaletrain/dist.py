@@ -110,9 +110,9 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
             # Keys under the job's id: a process of another job that reaches this store never meets ours.
             store = dist.PrefixStore(f"scaletrain/{seat.job}", _rendezvous(seat, timeout, loopback))
             dist.init_process_group("gloo", store=store, rank=seat.rank, world_size=seat.world, timeout=timeout)
+    except PortInUse:
+        raise
     except (RuntimeError, TimeoutError) as e:
-        if isinstance(e, PortInUse):
-            raise
         raise _no_rendezvous(seat, timeout, e) from None
     ctx = Context(plan, plan.procs[seat.rank], c.timeout_s)
     local_backend = "nccl" if plan.procs[0].device.startswith("cuda") else "gloo"

@@ -62,8 +62,9 @@ def setup(row: dict[str, Any]) -> str:
     g = row.get("gpus_per_node") or 1
     per = f" x {g} replicas" if g > 1 else ""
     emulated = f", emulating {row['emulated_workers']} workers" if row.get("emulated_workers") else ""
+    other = "".join(f", {k}={v}" for k, v in _rest(row).items() if k != "strategy.name")  # the grid's other keys
     return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
-            f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{data}")
+            f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{other}{data}")
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> str:

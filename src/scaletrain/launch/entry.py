@@ -18,15 +18,14 @@ from pathlib import Path
 
 import torch
 
-from .. import dist as sdist
 from .. import checkpoint, stats
+from .. import dist as sdist
+from ..cli import USER_ERRORS
 from ..config import load_config
-from ..data import DataError
-from ..models import PretrainedError
-from . import env as launch_env
-from .env import LaunchError
 from ..strategies import entry, wait_for
 from ..train import RunError, total_steps, train
+from . import env as launch_env
+from .env import LaunchError
 
 
 def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = None) -> int:
@@ -51,7 +50,7 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
             serve(cfg, ctx, run_dir, resume)
         else:
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
-    except (DataError, PretrainedError, RunError, checkpoint.CheckpointError) as e:
+    except (RunError, *USER_ERRORS) as e:
         print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
         sdist.abort(ctx)
         return 1
