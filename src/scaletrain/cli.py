@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("dirs", nargs="+", type=Path)
     rp.add_argument("--out", type=Path, help="output directory (default: report/ in the first DIR)")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
+    from .perfmodel.commands import add_parsers
+
+    add_parsers(sub)
     return p
 
 
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         from .report import main as report_main
 
         return report_main(args)
+    if args.command in ("predict", "calibrate"):
+        from .perfmodel import commands
+
+        return (commands.predict_main if args.command == "predict" else commands.calibrate_main)(args)
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:

@@ -179,7 +179,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def _check(key: str, value: Any, f: dataclasses.Field, typ: type) -> Any:
+def check_value(key: str, value: Any, f: dataclasses.Field, typ: type) -> Any:
     allowed = f.metadata["doc"]
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -219,7 +219,7 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
         for k, v in table.items():
             if k not in known:
                 raise ConfigError(f"unknown key {sec}.{k} in {origin}; {sec} keys are {', '.join(known)}")
-            kw[k] = _check(f"{sec}.{k}", v, known[k], types[k])
+            kw[k] = check_value(f"{sec}.{k}", v, known[k], types[k])
         built[sec] = cls(**kw)
     cfg = Config(**built)
     _check_relations(cfg)

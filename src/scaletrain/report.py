@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 from . import figures
 
 
-def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
-    bench_rows, study_rows, runs = [], [], []
+def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    bench_rows, study_rows, runs, predicted = [], [], [], []
     def rows_of(path: Path) -> list[dict]:  # run directories are kept relative to the rows' folder
         rows = json.loads(path.read_text())
         for r in rows:
@@ -27,6 +28,8 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
         return rows
 
     for d in dirs:
+        if (d / "validate-rows.json").exists():  # `scaletrain predict --validate` against this bench
+            predicted += json.loads((d / "validate-rows.json").read_text())["rows"]
         if (d / "bench-rows.json").exists():
             bench_rows += rows_of(d / "bench-rows.json")
         elif (d / "study-rows.json").exists():
@@ -34,10 +37,10 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
         elif (d / "summary.json").exists():
             s = json.loads((d / "summary.json").read_text())
             runs.append({**s, "label": d.name, "run_dir": str(d)})
-        else:
+        elif not (d / "validate-rows.json").exists():
             raise FileNotFoundError(f"{d}: neither a bench, a study nor a run directory "
-                                    "(no bench-rows.json, study-rows.json or summary.json)")
-    return bench_rows, study_rows, runs
+                                    "(no bench-rows.json, study-rows.json, summary.json or validate-rows.json)")
+    return bench_rows, study_rows, runs, predicted
 
 
 def _plt():
@@ -137,6 +140,20 @@ def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
         _save(fig, out, prefix + "time-to-target.png", made, "Time to target against nodes")
 
 
+def predicted_plot(rows: list[dict], out: Path, made: list) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    top = 1.1 * max(max(r["measured"], r["predicted"]) for r in rows)
+    ax.plot([0, top], [0, top], "k--", lw=1, label="predicted = measured")
+    ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="0.9", label="±15%")
+    for name, g in _by_strategy(rows).items():
+        ax.plot([r["measured"] for r in g], [r["predicted"] for r in g], "o", label=name)
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured images/s", ylabel="predicted images/s",
+           title="Performance model against the bench")
+    ax.legend(fontsize=7)
+    _save(fig, out, "predicted-measured.png", made, "Predicted against measured throughput")
+
+
 def staleness_plot(summaries: list[dict], out: Path, made: list) -> None:
     stale = [s for s in summaries if s.get("staleness_hist") and sum(s["staleness_hist"][1:])]
     if not stale:
@@ -165,7 +182,7 @@ def _summaries(rows: list[dict]) -> list[dict]:
 
 def write_report(dirs: list[Path], out: Path) -> Path:
     """Write OUT/report.md, OUT/report.html and the PNGs; returns the HTML's path."""
-    bench_rows, study_rows, runs = _load([Path(d) for d in dirs])
+    bench_rows, study_rows, runs, predicted = _load([Path(d) for d in dirs])
     out.mkdir(parents=True, exist_ok=True)
     made: list[tuple[str, str]] = []
     sections = []
@@ -185,6 +202,14 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                   f"{r['images_per_sec']:.1f} | {r.get('test_accuracy') or '-'} |" for r in runs]
         sections.append(("Runs", "\n".join(lines), ""))
         learning_plots(runs, out, made, "runs-")
+    if predicted:
+        from .perfmodel.commands import validate_table
+
+        err = statistics.median(abs(r["rel_error"]) for r in predicted)
+        sections.append(("Predicted against measured", validate_table(predicted),
+                         f"Performance model (scaletrain predict --validate): median absolute error {err:.1%} "
+                         f"over {len(predicted)} configurations."))
+        predicted_plot(predicted, out, made)
     staleness_plot(_summaries(bench_rows + study_rows) + runs, out, made)
     md = ["# scaletrain report", ""]
     for title, table, notes in sections:

@@ -1,0 +1,153 @@
+"""`scaletrain calibrate`: measure a profile on this machine, with real processes.
+
+- compute: a real single-replica training run of the recipe (one thread, no
+  evaluation), its optimizer step measured apart and subtracted;
+- optimizer: the recipe's optimizer stepping over a flat gradient of the
+  model's size, one thread: the per-replica step and a PS's apply rate;
+- point-to-point: two processes (torch.distributed, gloo) sending messages of
+  4 bytes and of one gradient back and forth: latency and bandwidth;
+- all-reduce: N processes all-reducing the same two sizes; the ring formula
+  solved for latency and bandwidth.
+
+Without a GPU every process of a local job shares this host's cores
+(shared_cores = the core count) and nodes talk through loopback, so the
+point-to-point figures stand for the network too. On a GPU machine, the
+all-reduce runs on the GPUs (NCCL) and the network figures are still those
+of this host's loopback: measure them between two nodes, or edit them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..config import Config
+from .profile import Profile
+
+SMALL = 1  # elements of the latency message (4 bytes)
+
+
+def _timed(fn, reps: int) -> float:
+    """Median seconds of fn() over reps runs, after two unmeasured ones."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _comm_worker(rank: int, world: int, port: int, numel: int, out: str, backend: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        result = {}
+        for n in (SMALL, numel):
+            t = torch.zeros(n, device=device)
+            if world == 2 and backend == "gloo":
+                def ping_pong():  # point-to-point: rank 0 sends, rank 1 answers
+                    if rank == 0:
+                        dist.send(t, 1)
+                        dist.recv(t, 1)
+                    else:
+                        dist.recv(t, 0)
+                        dist.send(t, 0)
+                result[f"p2p_{n}"] = _timed(ping_pong, 10) / 2  # one way
+            def reduce():
+                dist.all_reduce(t)  # collective over every process
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            result[f"ar_{n}"] = _timed(reduce, 10)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm(world: int, numel: int, backend: str = "gloo") -> dict[str, float]:
+    from ..launch.local import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "comm.json")
+        mp.spawn(_comm_worker, args=(world, free_port("127.0.0.1"), numel, out, backend), nprocs=world)
+        return json.loads(Path(out).read_text())
+
+
+def alpha_beta(t_small: float, t_big: float, nbytes: float) -> tuple[float, float]:
+    """Latency and bandwidth of one message from the time of a tiny and of an nbytes one."""
+    return t_small, nbytes / max(t_big - t_small, 1e-12)
+
+
+def ring_alpha_beta(n: int, t_small: float, t_big: float, nbytes: float) -> tuple[float, float]:
+    """Solve t = 2(n-1)(alpha + nbytes / (n beta)) for the tiny and the big all-reduce."""
+    alpha = t_small / (2 * (n - 1))
+    return alpha, 2 * (n - 1) * nbytes / n / max(t_big - t_small, 1e-12)
+
+
+def measure_optimizer(cfg: Config, numel: int) -> float:
+    """Seconds of one optimizer step over `numel` parameters, one thread, on CPU."""
+    from ..optim import build_optimizer
+
+    torch.set_num_threads(1)
+    w = torch.nn.Parameter(torch.zeros(numel))
+    w.grad = torch.randn(numel) * 1e-3
+    opt = build_optimizer(cfg.optim, [w])
+    return _timed(opt.step, 10)
+
+
+def measure_step(cfg: Config, warmup: int, steps: int) -> tuple[float, str]:
+    """Seconds per step of a single-replica training run of the recipe, and its device."""
+    from ..train import train
+
+    one = cfg.replace(**{"cluster.nodes": 1, "cluster.gpus_per_node": 1, "cluster.num_ps": 0,
+                         "strategy.name": "allreduce", "strategy.slow_node": -1, "train.threads": 1,
+                         "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
+                         "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = train(one, Path(tmp) / "run", progress=False)
+    return cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
+
+
+def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple[Profile, dict]:
+    from .setup import param_numels
+
+    numel = sum(param_numels(cfg.model))
+    nbytes = 4 * numel
+    say(f"calibrate: {cfg.model.name}, {numel:,} parameters ({nbytes / 1e6:.2f} MB of gradient)")
+    opt_s = measure_optimizer(cfg, numel)
+    say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient)")
+    from ..train import pick_device
+
+    step_s, device = measure_step(cfg, warmup, steps)
+    gpu = pick_device(cfg).type == "cuda"
+    compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
+    say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
+    p2p = measure_comm(2, numel)
+    lat, bw = alpha_beta(p2p[f"p2p_{SMALL}"], p2p[f"p2p_{numel}"], nbytes)
+    say(f"  point-to-point (gloo, loopback): latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
+    cores = os.cpu_count() or 1
+    n = max(2, min(4, torch.cuda.device_count() if gpu else cores))
+    ar = measure_comm(n, numel, "nccl" if gpu and n <= torch.cuda.device_count() else "gloo")
+    ilat, ibw = ring_alpha_beta(n, ar[f"ar_{SMALL}"], ar[f"ar_{numel}"], nbytes)
+    say(f"  all-reduce over {n}: {ar[f'ar_{numel}'] * 1e3:.2f} ms; latency {ilat * 1e6:.0f} us, "
+        f"{ibw / 1e9:.2f} GB/s")
+    prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
+                   gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
+                   compute_s=compute_s, optimizer_s=0.0 if gpu else opt_s,
+                   intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
+                   local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, shared_cores=0 if gpu else cores)
+    about = {"source": f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
+             "device": device, "torch": torch.__version__, "cores": cores,
+             "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")}
+    return prof, about

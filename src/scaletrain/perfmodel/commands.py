@@ -1,0 +1,173 @@
+"""`scaletrain predict` and `scaletrain calibrate`: arguments -> model -> tables and files."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, build_config, load_config
+from .profile import ProfileError, dump_profile, load_profile
+from .setup import ModelError, check_workload
+
+
+def add_parsers(sub) -> None:
+    pr = sub.add_parser("predict", help="predicted throughput, speedup, efficiency and bottleneck of configurations")
+    pr.add_argument("--profile", required=True, help="hardware profile (TOML, see profiles/)")
+    pr.add_argument("--recipe", help="TOML recipe (not needed with --validate)")
+    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pr.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="as for bench")
+    pr.add_argument("--format", choices=("table", "json"), default="table")
+    pr.add_argument("--spread", type=float, default=0.0,
+                    help="coefficient of variation of replica step times (0 = equal speeds)")
+    pr.add_argument("--recommend", action="store_true", help="best strategy, PS count and placement per node count")
+    pr.add_argument("--max-nodes", type=int, default=16)
+    pr.add_argument("--objective", choices=("throughput", "efficiency"), default="throughput")
+    pr.add_argument("--min-efficiency", type=float, default=0.0)
+    pr.add_argument("--max-staleness", type=float, help="leave out configurations with more mean staleness")
+    pr.add_argument("--validate", nargs="+", type=Path, metavar="BENCH_DIR",
+                    help="predicted against measured for every row of these bench outputs")
+    pr.add_argument("--out", type=Path, help="--validate: where validate.md and validate-rows.json go "
+                    "(default: the first BENCH_DIR, where `scaletrain report` finds them)")
+    ca = sub.add_parser("calibrate", help="measure a hardware profile on this machine")
+    ca.add_argument("--recipe", help="TOML recipe whose model and batch to measure (default: built-in defaults)")
+    ca.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ca.add_argument("--out", type=Path, default=Path("profiles/local.toml"))
+    ca.add_argument("--steps", type=int, default=30, help="measured training steps (default 30)")
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"scaletrain: error: {msg}", file=sys.stderr)
+    return code
+
+
+def calibrate_main(args) -> int:
+    from .calibrate import calibrate
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+    prof, about = calibrate(cfg, steps=args.steps)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(dump_profile(prof, about))
+    print(f"profile: {args.out}")
+    return 0
+
+
+def predict_main(args) -> int:
+    from ..bench import GridError, cells, parse_grid
+
+    try:
+        prof, _ = load_profile(args.profile)
+        if args.validate:
+            return validate_main(args, prof)
+        if not args.recipe:
+            return _fail("predict needs --recipe (or --validate BENCH_DIR)")
+        if args.spread < 0:
+            return _fail(f"--spread {args.spread}: must be >= 0")
+        cfg = load_config(args.recipe, args.overrides)
+        check_workload(cfg, prof, args.profile)
+        if args.recommend:
+            return _recommend(args, cfg, prof)
+        grid = parse_grid(args.grid)
+    except (ProfileError, ConfigError, ModelError, GridError) as e:
+        return _fail(str(e))
+    rows = []
+    for cell in cells(grid):
+        label = ", ".join(f"{k}={v}" for k, v in cell.items()) or "recipe"
+        try:
+            row = predict_cell(cfg, cell, prof, args.spread)
+        except (ConfigError, ModelError) as e:
+            row = {"label": label, "error": str(e)}
+        rows.append({"cell": cell, "label": label, **row})
+    if args.format == "json":
+        print(json.dumps(rows, indent=1))
+    else:
+        from .predict import table
+
+        print(table(rows))
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+def predict_cell(cfg, cell: dict[str, str], prof, spread: float) -> dict[str, Any]:
+    from .predict import predict
+
+    return predict(build_config(cfg.to_dict(), [f"{k}={v}" for k, v in cell.items()]), prof, spread)
+
+
+def _recommend(args, cfg, prof) -> int:
+    from .recommend import recommend, recommend_table
+
+    if args.max_nodes < 1:
+        return _fail(f"--max-nodes {args.max_nodes}: must be >= 1")
+    print(f"recommend: up to {args.max_nodes} nodes of {prof.describe()}", file=sys.stderr)
+    entries = recommend(cfg, prof, args.max_nodes, args.objective, args.min_efficiency, args.max_staleness,
+                        args.spread)
+    if args.format == "json":
+        print(json.dumps(entries, indent=1))
+    else:
+        print(recommend_table(entries, args.objective))
+    return 0
+
+
+def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[str, Any]]:
+    """Every measured bench row with its prediction and relative error."""
+    from .predict import predict
+
+    out = []
+    for d in bench_dirs:
+        path = d / "bench-rows.json"
+        if not path.exists():
+            raise ProfileError(f"{d}: no bench-rows.json (a `scaletrain bench` output directory)")
+        for row in json.loads(path.read_text()):
+            if row.get("error") or row.get("data") not in (None, "real"):
+                continue
+            nested: dict[str, dict] = {}
+            for k, v in row["config"].items():
+                sec, key = k.split(".", 1)
+                nested.setdefault(sec, {})[key] = v
+            cfg = build_config(nested, origin=str(path))
+            check_workload(cfg, prof, profile_path)
+            pred = predict(cfg, prof)
+            measured = row["images_per_sec"]
+            out.append({**{k: row.get(k) for k in ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps",
+                                                   "ps_placement", "cell", "label")},
+                        "measured": measured, "predicted": pred["images_per_sec"],
+                        "rel_error": pred["images_per_sec"] / measured - 1, "bottleneck": pred["bottleneck"],
+                        "method": pred["method"], "bench_dir": str(d)})
+    return out
+
+
+def validate_table(rows: list[dict[str, Any]]) -> str:
+    from ..figures import setup
+
+    lines = ["| Setup | Measured (img/s) | Predicted (img/s) | Error | Bottleneck (predicted) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {setup(r)} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['rel_error']:+.1%} | {r['bottleneck']} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def validate_main(args, prof) -> int:
+    try:
+        rows = validate_rows(args.validate, prof, args.profile)
+    except (ProfileError, ConfigError, ModelError) as e:
+        return _fail(str(e))
+    if not rows:
+        return _fail("no measured rows in " + ", ".join(map(str, args.validate)))
+    median = statistics.median(abs(r["rel_error"]) for r in rows)
+    out = args.out or args.validate[0]
+    out.mkdir(parents=True, exist_ok=True)
+    text = validate_table(rows) + f"\n\nMedian absolute error over {len(rows)} configurations: {median:.1%}\n"
+    (out / "validate.md").write_text(text)
+    (out / "validate-rows.json").write_text(json.dumps(
+        {"profile": str(args.profile), "median_abs_error": median, "rows": rows}, indent=1) + "\n")
+    if args.format == "json":
+        print(json.dumps({"median_abs_error": median, "rows": rows}, indent=1))
+    else:
+        print(text, end="")
+    print(f"wrote {out / 'validate.md'} and {out / 'validate-rows.json'}", file=sys.stderr)
+    return 0

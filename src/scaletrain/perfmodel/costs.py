@@ -1,0 +1,140 @@
+"""Closed-form costs: all-reduce, intra-node averaging and the synchronous PS step.
+
+The cost of moving n bytes in one message is latency + n / bandwidth (the
+alpha-beta model). A node's network link carries bytes out and in at once,
+each at `net_bandwidth`; a transfer between two processes of one node (a PS
+alongside its node's worker) uses `local_bandwidth` and no network link. A PS
+process spends bytes / `ps_apply_rate` of CPU on each gradient it takes in.
+
+These formulas assume every replica runs at the same speed; uneven speeds,
+backups and asynchronous shards go to the event simulation (simulate.py).
+On a shared host (profile.shared_cores > 0) every process's work competes
+for the same cores; a step is then at least its total CPU work / cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .profile import Profile
+from .setup import Setup
+
+
+def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of nbytes over n processes: 2(n-1) steps, each moving nbytes/n."""
+    return 0.0 if n <= 1 else 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
+
+
+def broadcast_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Broadcast from one process to n-1 others along a binomial tree, pipelined by chunks."""
+    return 0.0 if n <= 1 else math.ceil(math.log2(n)) * latency + nbytes / bandwidth
+
+
+def transfer_s(nbytes: float, bandwidth: float, latency: float) -> float:
+    return latency + nbytes / bandwidth
+
+
+@dataclass
+class Estimate:
+    """A configuration's predicted step: the time of one pusher cycle and where it goes."""
+
+    step_s: float                        # seconds between two steps of one replica
+    images_per_step: int                 # images all replicas process in one step
+    parts: dict[str, float]              # seconds of the step by activity
+    ps_cpu_util: float = 0.0             # busiest PS's CPU busy fraction
+    link_util: float = 0.0               # busiest network link's busy fraction
+    link_bytes: dict[str, float] = field(default_factory=dict)  # bytes per step on each link
+    staleness_mean: float | None = None
+    dropped_fraction: float = 0.0
+    straggler_s: float = 0.0
+
+    @property
+    def images_per_sec(self) -> float:
+        return self.images_per_step / self.step_s
+
+
+def intra_average_s(p: Profile, st: Setup) -> float:
+    """Averaging the replicas' gradients inside a node before its push."""
+    return ring_allreduce_s(st.replicas, p.gradient_bytes, p.intra_bandwidth, p.intra_latency)
+
+
+def intra_broadcast_s(p: Profile, st: Setup) -> float:
+    """The node's leader sharing the new parameters with its other replicas after the pull.
+    On a shared host the copies go one way through loopback, at the point-to-point rate."""
+    bw = p.local_bandwidth if p.shared_cores else p.intra_bandwidth
+    return broadcast_s(st.replicas, p.gradient_bytes, bw, p.intra_latency)
+
+
+def shared_floor(p: Profile, cpu_s: float) -> float:
+    """On a shared host a step lasts at least the CPU work of all its processes over the cores."""
+    return cpu_s / p.shared_cores if p.shared_cores else 0.0
+
+
+def allreduce(p: Profile, st: Setup) -> Estimate:
+    """All-reduce: each replica computes, joins one ring over all replicas, steps its optimizer.
+    The ring's pace is that of its slowest hop: a network hop once it spans nodes."""
+    n = st.nodes * st.replicas
+    if st.nodes == 1 or p.shared_cores:  # one node, or every "node" on one host: no network hop
+        bw, lat = p.intra_bandwidth, p.intra_latency
+    else:
+        bw, lat = p.net_bandwidth, p.net_latency
+    comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
+    parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
+    step = max(sum(parts.values()), shared_floor(p, n * sum(parts.values())))
+    moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
+    links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
+    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links)
+    est.link_util = max((b / p.net_bandwidth / step for b in links.values()), default=0.0)
+    return est
+
+
+def sync_ps(p: Profile, st: Setup) -> Estimate:
+    """Synchronous PS step with equal replicas: compute, average in the node, all pushers send
+    their shards at once (each link's bytes at its bandwidth, links in parallel), each shard
+    takes in every gradient (CPU), then every shard replies to every pusher at once.
+
+    The push and pull phases last as long as their busiest link; the shards' CPU work
+    overlaps the push of later gradients, so the shard finishing last sets the apply phase:
+    its CPU time not hidden behind its own incoming transfers, plus one gradient's worth."""
+    n_push = st.pushers
+    out_b, in_b = _phase_bytes(st)
+    push = max((b / p.net_bandwidth for b in (*out_b.values(), *in_b.values())), default=0.0)
+    local = max((s / p.local_bandwidth for k, s in enumerate(st.shard_bytes) if _has_local(st, k)), default=0.0)
+    lat = p.net_latency if push else 0.0
+    apply_k = [n_push * s / p.ps_apply_rate for s in st.shard_bytes]
+    incoming_k = [_remote_pushers(st, k) * s / p.net_bandwidth for k, s in enumerate(st.shard_bytes)]
+    cpu_tail = max(max(a - i, a / n_push) for a, i in zip(apply_k, incoming_k))
+    parts = {"compute": p.compute_s, "intra-node": intra_average_s(p, st) + intra_broadcast_s(p, st),
+             "network": 2 * (max(push, local) + lat), "PS CPU": cpu_tail}
+    moved = 2 * n_push * sum(st.shard_bytes)  # every gradient and every reply, copied once each
+    cpu = st.nodes * st.replicas * (p.compute_s + parts["intra-node"]) + sum(apply_k) + moved / p.local_bandwidth
+    step = max(sum(parts.values()), shared_floor(p, cpu))
+    # A node's link sends its pushes and its PS's replies, and receives the mirror image.
+    links = {f"node {a + 1}": out_b.get(a, 0.0) + in_b.get(a, 0.0) for a in sorted({*out_b, *in_b})}
+    est = Estimate(step, st.nodes * st.replicas * p.batch_per_replica, parts, link_bytes=links,
+                   ps_cpu_util=max(apply_k) / step, staleness_mean=0.0)
+    est.link_util = max(links.values(), default=0.0) / p.net_bandwidth / step
+    return est
+
+
+def _remote_pushers(st: Setup, k: int) -> int:
+    return sum(st.pusher_node(i) != st.ps_nodes[k] for i in range(st.pushers))
+
+
+def _has_local(st: Setup, k: int) -> bool:
+    return _remote_pushers(st, k) < st.pushers
+
+
+def _phase_bytes(st: Setup) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes each node's link sends and receives during the push phase (the pull mirrors it)."""
+    out_b: dict[int, float] = {}
+    in_b: dict[int, float] = {}
+    for i in range(st.pushers):
+        a = st.pusher_node(i)
+        for k, s in enumerate(st.shard_bytes):
+            b = st.ps_nodes[k]
+            if a != b:
+                out_b[a] = out_b.get(a, 0.0) + s
+                in_b[b] = in_b.get(b, 0.0) + s
+    return out_b, in_b

@@ -1,0 +1,112 @@
+"""Predicted figures of a configuration: throughput, speedup, efficiency, where time goes.
+
+Synchronous paths with equal replicas use the closed forms (costs.py);
+asynchronous shards, backups and uneven speeds use the event simulation
+(simulate.py). Speedup and efficiency follow the study: throughput over that
+of one node with no distribution (the same replicas per node, averaging
+inside the node only), and speedup over the nodes used, dedicated PS nodes
+included.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from typing import Any
+
+from ..config import Config
+from . import costs
+from .profile import Profile
+from .setup import Setup, make_setup
+from .simulate import simulate
+
+BOTTLENECKS = ("compute", "intra-node", "network", "PS network", "PS CPU", "straggler")
+
+
+def expected_max(p: Profile, n: int, spread: float, samples: int = 4000, seed: int = 0) -> float:
+    """Mean of the slowest of n replicas' compute times (all-reduce waits for it)."""
+    if not spread or n <= 1:
+        return p.compute_s
+    rng, sigma = random.Random(seed), math.sqrt(math.log1p(spread ** 2))
+    draws = (max(rng.lognormvariate(-sigma ** 2 / 2, sigma) for _ in range(n)) for _ in range(samples))
+    return p.compute_s * sum(draws) / samples
+
+
+def estimate(p: Profile, st: Setup, spread: float = 0.0, seed: int = 0) -> tuple[costs.Estimate, str]:
+    """The step estimate and the method that made it ('closed form' or 'simulation')."""
+    if not st.uses_ps:
+        n = st.nodes * st.replicas
+        slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
+        est = costs.allreduce(replace(p, compute_s=slowest), st)
+        est.straggler_s = slowest - p.compute_s
+        est.parts["compute"] = p.compute_s
+        return est, "closed form"
+    closed = costs.sync_ps(p, st)
+    uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)
+    if st.sync and not uneven and st.wait_for == st.pushers:
+        return closed, "closed form"
+    sim = simulate(p, st, spread=spread, seed=seed, cycle_hint=closed.step_s)
+    even = sim if not uneven else simulate(p, replace(st, slow_node=-1), seed=seed, cycle_hint=closed.step_s)
+    images = st.nodes * st.replicas * p.batch_per_replica
+    est = costs.Estimate(
+        step_s=images / sim.images_per_sec, images_per_step=images,
+        parts={"compute": p.compute_s, "intra-node": sim.intra_s,
+               "communication": max(0.0, sim.step_s - sim.compute_s - sim.intra_s)},
+        ps_cpu_util=sim.ps_cpu_util, link_util=sim.link_util, link_bytes=sim.link_bytes,
+        staleness_mean=sim.staleness_mean, dropped_fraction=sim.dropped_fraction,
+        straggler_s=max(0.0, sim.step_s - even.step_s) if uneven else 0.0)
+    return est, "simulation"
+
+
+def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float]]:
+    """The busiest of compute, intra-node, network (all-reduce between nodes) or PS network
+    (the busiest link), PS CPU and stragglers, by the fraction of the step each keeps busy;
+    with the fractions."""
+    share = {"compute": est.parts.get("compute", 0.0) / est.step_s,
+             "intra-node": est.parts.get("intra-node", 0.0) / est.step_s,
+             "PS network" if uses_ps else "network": est.link_util,
+             "PS CPU": est.ps_cpu_util, "straggler": est.straggler_s / est.step_s}
+    return max(share, key=share.get), share
+
+
+def single_node(cfg: Config) -> Config:
+    """The study's baseline: one node, no parameter server, no slow node."""
+    return cfg.replace(**{"cluster.nodes": 1, "cluster.num_ps": 0, "strategy.name": "allreduce",
+                          "strategy.slow_node": -1, "strategy.backup_workers": 0})
+
+
+def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """One row of predicted figures, keyed like a bench row where the meaning is the same."""
+    st = make_setup(cfg, p)
+    est, method = estimate(p, st, spread, seed)
+    base, _ = estimate(p, make_setup(single_node(cfg), p))
+    speedup = est.images_per_sec / base.images_per_sec
+    name, share = bottleneck(est, st.uses_ps)
+    c = cfg.cluster
+    return {"strategy": cfg.strategy.name, "nodes": c.nodes, "nodes_total": st.nodes_total,
+            "gpus_per_node": c.gpus_per_node, "num_ps": c.num_ps,
+            "ps_placement": c.ps_placement if c.num_ps else None, "replicas": c.nodes * c.gpus_per_node,
+            "backup_workers": cfg.strategy.backup_workers, "spread": spread,
+            "images_per_sec": est.images_per_sec, "step_s": est.step_s, "speedup": speedup,
+            "efficiency": speedup / st.nodes_total, "baseline_images_per_sec": base.images_per_sec,
+            "parts_s": est.parts, "link_bytes_per_step": est.link_bytes, "ps_cpu_util": est.ps_cpu_util,
+            "link_util": est.link_util, "busy": share, "bottleneck": name,
+            "staleness_mean": est.staleness_mean, "dropped_fraction": est.dropped_fraction, "method": method}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: the predicted figures of each row, with its bottleneck."""
+    from ..figures import setup
+
+    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step (ms) | Bottleneck | PS CPU | "
+             "Busiest link | Staleness | Method |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['label']} | not predicted: {r['error']} | | | | | | | | |")
+            continue
+        stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f}"
+        lines.append(f"| {setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
+                     f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
+                     f"{r['link_util']:.2f} | {stale} | {r['method']} |")
+    return "\n".join(lines)

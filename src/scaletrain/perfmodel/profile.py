@@ -1,0 +1,99 @@
+"""Hardware profiles: the figures the performance model runs on, as TOML.
+
+A profile describes one kind of node and network for one workload (model,
+image size, batch per replica). `scaletrain calibrate` measures one on this
+machine; profiles/study-k80.toml is built from the study's published figures.
+Every field has a one-line doc with its unit; loading checks names, types and
+ranges and names the file and key of anything wrong.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import get_type_hints
+
+from ..config import check_value, opt
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; str() is one line naming the file and key."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    # workload the compute figures were measured for
+    model: str = opt("resnet50", "network the compute figures belong to (a model.name)")
+    image_size: int = opt(224, "input side in pixels the compute figures belong to", lo=1, hi=100_000)
+    batch_per_replica: int = opt(32, "images per replica per step the compute figures belong to", lo=1, hi=100_000)
+    gradient_bytes: int = opt(0, "bytes of one full gradient (fp32 parameters x 4)", lo=1, hi=10**13)
+    # node
+    replicas_per_node: int = opt(1, "replicas (GPUs, or CPU slots) one node offers", lo=1, hi=1024)
+    compute_s: float = opt(1.0, "seconds of forward + backward of one replica's batch", lo=1e-7, hi=1e5)
+    optimizer_s: float = opt(0.0, "seconds of one optimizer step on a replica's device (all-reduce)", lo=0.0, hi=1e5)
+    intra_bandwidth: float = opt(1e10, "bytes/s between the replicas of a node (gradient averaging)", lo=1.0, hi=1e15)
+    intra_latency: float = opt(1e-5, "seconds per message between the replicas of a node", lo=0.0, hi=10.0)
+    # network
+    net_bandwidth: float = opt(1e9, "bytes/s a node sends (and, at once, receives) to other nodes", lo=1.0, hi=1e15)
+    net_latency: float = opt(1e-4, "seconds per message between nodes", lo=0.0, hi=10.0)
+    local_bandwidth: float = opt(1e10, "bytes/s between two processes of one node (a PS alongside a worker)",
+                                 lo=1.0, hi=1e15)
+    # parameter server
+    ps_apply_rate: float = opt(1e9, "gradient bytes/s one PS process takes in and applies (CPU work)",
+                               lo=1.0, hi=1e15)
+    # host
+    shared_cores: int = opt(0, "0: nodes are separate machines; C: every process of every node shares the "
+                            "C CPU cores of one host (the local launcher)", lo=0, hi=100_000)
+
+    def describe(self) -> str:
+        return (f"{self.model}, {self.image_size} px, batch {self.batch_per_replica} per replica; "
+                f"{self.replicas_per_node} replicas per node at {self.compute_s * 1e3:.1f} ms per step")
+
+
+def field_docs() -> dict[str, str]:
+    return {f.name: f.metadata["doc"] for f in fields(Profile)}
+
+
+def load_profile(path: str | Path) -> tuple[Profile, dict]:
+    """The profile in `path` and its [about] table (provenance, assumptions)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"profile {path}: not valid TOML: {e}") from None
+    about = data.pop("about", {})
+    known, types = {f.name: f for f in fields(Profile)}, get_type_hints(Profile)
+    values = {}
+    for section, table in data.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ProfileError(f"profile {path}: unknown section [{section}]; sections are about, "
+                               f"{', '.join(SECTIONS)}")
+        for k, v in table.items():
+            if k not in SECTIONS[section]:
+                raise ProfileError(f"profile {path}: unknown key {section}.{k}; [{section}] keys are "
+                                   f"{', '.join(SECTIONS[section])}")
+            try:
+                values[k] = check_value(f"{section}.{k}", v, known[k], types[k])
+            except ValueError as e:
+                raise ProfileError(f"profile {path}: {e}") from None
+    missing = [k for k in ("model", "gradient_bytes", "compute_s") if k not in values]
+    if missing:
+        raise ProfileError(f"profile {path}: missing {', '.join(missing)}")
+    return Profile(**values), about
+
+
+SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_bytes"),
+            "node": ("replicas_per_node", "compute_s", "optimizer_s", "intra_bandwidth", "intra_latency"),
+            "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
+            "ps": ("ps_apply_rate",),
+            "host": ("shared_cores",)}
+
+
+def dump_profile(profile: Profile, about: dict) -> str:
+    import tomli_w
+
+    flat = asdict(profile)
+    return tomli_w.dumps({"about": about, **{s: {k: flat[k] for k in keys} for s, keys in SECTIONS.items()}})

@@ -1,0 +1,100 @@
+"""What the model needs to know of one configuration, derived from a Config.
+
+The strategy's behaviour comes from the registry entry (parameter servers or
+not, sync or async shards, per-node or per-replica pushes, backups), so this
+module never looks at a strategy's name. Placement comes from plan.py, the
+same placement the launchers use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Config
+from ..plan import PlanError, make_plan
+from ..strategies import entry, wait_for
+from .profile import Profile
+
+
+class ModelError(ValueError):
+    """A configuration the model cannot predict with this profile; str() is one line."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    nodes: int                   # worker nodes
+    nodes_total: int             # worker nodes + dedicated PS nodes
+    replicas: int                # replicas per worker node
+    uses_ps: bool
+    sync: bool                   # shards wait for a version's gradients (sync, backup)
+    per_node: bool               # one pusher per node (averaged inside) or one per replica
+    wait_for: int                # gradients a sync shard applies per version
+    shard_bytes: tuple[int, ...]
+    ps_nodes: tuple[int, ...]    # node of each PS
+    slow_node: int               # node whose replicas are slowed (-1: none)
+    slow_delay_s: float
+
+    @property
+    def pushers(self) -> int:
+        return self.nodes if self.per_node else self.nodes * self.replicas
+
+    def pusher_node(self, i: int) -> int:
+        return i if self.per_node else i // self.replicas
+
+    @property
+    def pusher_replicas(self) -> int:
+        """Replicas whose images one push carries."""
+        return self.replicas if self.per_node else 1
+
+
+def shard_bytes(cfg: Config, total: int) -> tuple[int, ...]:
+    """Bytes of each PS shard, split as the run would split them."""
+    p = cfg.cluster.num_ps
+    if cfg.cluster.sharding == "balanced":
+        return tuple(total // p + (1 if k < total % p else 0) for k in range(p))
+    from ..ps.sharding import make_layout
+
+    numels = param_numels(cfg.model)
+    layout = make_layout(numels, p, "round-robin")
+    scale = total / (4 * sum(numels))  # the profile's gradient size rules
+    return tuple(int(layout.bytes(k) * scale) for k in range(p))
+
+
+def param_numels(model_cfg) -> list[int]:
+    """Element count of each parameter of the model, in model order."""
+    import torch
+
+    from ..models import resnet
+
+    with torch.device("meta"):  # sizes only: no memory, no initialisation cost
+        model = resnet(model_cfg.name, model_cfg.num_classes, model_cfg.norm, model_cfg.width)
+    return [q.numel() for q in model.parameters()]
+
+
+def make_setup(cfg: Config, prof: Profile) -> Setup:
+    c, s = cfg.cluster, cfg.strategy
+    if s.emulate_workers:
+        raise ModelError("strategy.emulate_workers: an emulation in one process, not a cluster to predict")
+    if c.gpus_per_node > prof.replicas_per_node:
+        raise ModelError(f"cluster.gpus_per_node = {c.gpus_per_node}: the profile's nodes offer "
+                         f"{prof.replicas_per_node} replicas")
+    e = entry(cfg)
+    try:
+        plan = make_plan(c, e.uses_ps)
+    except PlanError as err:
+        raise ModelError(str(err)) from None
+    pushers = c.nodes if e.per_node else c.nodes * c.gpus_per_node
+    return Setup(nodes=c.nodes, nodes_total=plan.nodes_total, replicas=c.gpus_per_node, uses_ps=e.uses_ps,
+                 sync=e.server == "sync", per_node=e.per_node,
+                 wait_for=wait_for(cfg, pushers) if e.uses_ps else 0,
+                 shard_bytes=shard_bytes(cfg, prof.gradient_bytes) if e.uses_ps else (),
+                 ps_nodes=tuple(p.node for p in plan.ps), slow_node=s.slow_node, slow_delay_s=s.slow_delay_s)
+
+
+def check_workload(cfg: Config, prof: Profile, path: str) -> None:
+    """The recipe must train what the profile's compute figures were measured for."""
+    have = (cfg.model.name, cfg.data.image_size, cfg.data.batch_size)
+    want = (prof.model, prof.image_size, prof.batch_per_replica)
+    if have != want:
+        raise ModelError(f"profile {path} was measured for {want[0]}, {want[1]} px, batch {want[2]}; the recipe "
+                         f"trains {have[0]}, {have[1]} px, batch {have[2]} (run `scaletrain calibrate` with it)")

@@ -1,0 +1,195 @@
+"""Event simulation of the parameter-server strategies, on simpy.
+
+The same costs as costs.py, played out in time, for what the closed forms
+cannot do: asynchronous shards (staleness), backup workers (dropped
+gradients) and uneven replica speeds (stragglers).
+
+- A pusher (a node's leader, or every replica under async) loops: its
+  replicas compute (each at compute_s x a random factor of mean 1 and
+  coefficient of variation `spread`, plus strategy.slow_delay_s on the slow
+  node; a node waits for its slowest replica), average inside the node, send
+  each shard its slice, wait for every shard's reply, share the values inside
+  the node.
+- A transfer between nodes holds the sender's outgoing and the receiver's
+  incoming link for bytes / net_bandwidth (links taken in that order, so two
+  transfers never wait on each other in a cycle), then latency passes.
+  Between processes of one node it takes bytes / local_bandwidth, no link.
+- A shard serves gradients one at a time in arrival order: bytes /
+  ps_apply_rate of CPU each. Async: applied at once, the sender gets the new
+  version. Sync: kept until `wait_for` gradients of the current version are
+  in, then all contributors get the new version; a gradient of an older
+  version is dropped and its sender gets the current values.
+- On a shared host every piece of work (compute, averaging, copies, a
+  shard's CPU) holds one of the host's cores while it runs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+import simpy
+
+from .costs import intra_average_s, intra_broadcast_s
+from .profile import Profile
+from .setup import Setup
+
+
+@dataclass
+class SimResult:
+    images_per_sec: float
+    step_s: float                    # mean seconds between two steps of a pusher
+    compute_s: float                 # mean seconds a pusher's replicas spend computing per step
+    intra_s: float                   # seconds per step averaging and sharing inside the node
+    staleness_mean: float
+    staleness_hist: list[int]
+    dropped_fraction: float          # gradients dropped (too late) over gradients sent
+    ps_cpu_util: float               # busiest shard's CPU busy fraction
+    link_util: float                 # busiest network link's busy fraction
+    link_bytes: dict[str, float]     # bytes per pusher step through each node's link (out + in)
+
+
+class _Sim:
+    def __init__(self, p: Profile, st: Setup, spread: float, seed: int) -> None:
+        self.p, self.st, self.env = p, st, simpy.Environment()
+        self.rng = random.Random(seed)
+        self.sigma = math.sqrt(math.log1p(spread ** 2))
+        self.cores = simpy.Resource(self.env, p.shared_cores) if p.shared_cores else None
+        self.links = {(n, d): simpy.Resource(self.env, 1) for n in range(st.nodes_total) for d in ("out", "in")}
+        self.queues = [simpy.Store(self.env) for _ in st.shard_bytes]
+        self.version = [0] * len(st.shard_bytes)
+        self.busy: dict = defaultdict(float)
+        self.moved: dict[int, float] = defaultdict(float)
+        self.done: list[tuple[float, int]] = []   # (time, images) of each pusher step
+        self.computing = 0.0
+        self.stale: list[int] = []
+        self.dropped = self.sent = 0
+
+    def factor(self) -> float:
+        return self.rng.lognormvariate(-self.sigma ** 2 / 2, self.sigma) if self.sigma else 1.0
+
+    def work(self, seconds: float):
+        """CPU or device work of one process; on a shared host it needs a free core."""
+        if self.cores is None:
+            yield self.env.timeout(seconds)
+            return
+        with self.cores.request() as req:
+            yield req
+            yield self.env.timeout(seconds)
+            self.busy["host", "cores"] += seconds
+
+    def on_node(self, seconds: float, processes: int):
+        """The same work done by `processes` processes of one node at once."""
+        if self.cores is None or processes == 1:
+            yield from self.work(seconds)
+        else:
+            yield self.env.all_of([self.env.process(self.work(seconds)) for _ in range(processes)])
+
+    def transfer(self, a: int, b: int, nbytes: int):
+        p = self.p
+        if a == b or self.cores is not None:  # loopback: a memory copy, CPU work
+            yield from self.work(nbytes / p.local_bandwidth + (p.net_latency if a != b else 0.0))
+            return
+        seconds = nbytes / p.net_bandwidth
+        with self.links[a, "out"].request() as out:
+            yield out
+            with self.links[b, "in"].request() as inn:
+                yield inn
+                yield self.env.timeout(seconds)
+        self.busy[a, "out"] += seconds
+        self.busy[b, "in"] += seconds
+        self.moved[a] += nbytes
+        self.moved[b] += nbytes
+        yield self.env.timeout(p.net_latency)
+
+    def pusher(self, i: int):
+        p, st, env = self.p, self.st, self.env
+        node, reps = st.pusher_node(i), st.pusher_replicas
+        seen = [0] * len(st.shard_bytes)
+        intra = intra_average_s(p, st) if st.per_node else 0.0
+        share = intra_broadcast_s(p, st) if st.per_node else 0.0
+        while True:
+            slow = st.slow_delay_s if node == st.slow_node else 0.0
+            times = [p.compute_s * self.factor() + slow for _ in range(reps)]
+            t0 = env.now
+            yield env.all_of([env.process(self.work(t)) for t in times])
+            self.computing += env.now - t0
+            if intra:
+                yield from self.on_node(intra, reps)
+            pushes = [env.process(self.push(node, k, seen[k])) for k in range(len(seen))]
+            got = yield env.all_of(pushes)
+            seen = [got[e] for e in pushes]
+            if share:
+                yield from self.on_node(share, reps)
+            self.done.append((env.now, reps * p.batch_per_replica))
+
+    def push(self, node: int, k: int, version: int):
+        nbytes, ps = self.st.shard_bytes[k], self.st.ps_nodes[k]
+        yield from self.transfer(node, ps, nbytes)
+        reply = self.env.event()
+        self.queues[k].put((version, reply))
+        new = yield reply
+        yield from self.transfer(ps, node, nbytes)
+        return new
+
+    def shard(self, k: int):
+        st, seconds = self.st, self.st.shard_bytes[k] / self.p.ps_apply_rate
+        pending: list = []
+        while True:
+            version, reply = yield self.queues[k].get()
+            self.sent += 1
+            yield from self.work(seconds)
+            self.busy["ps", k] += seconds
+            if not st.sync:
+                self.stale.append(self.version[k] - version)
+                self.version[k] += 1
+                reply.succeed(self.version[k])
+            elif version == self.version[k]:
+                pending.append(reply)
+                if len(pending) >= st.wait_for:
+                    self.version[k] += 1
+                    self.stale += [0] * len(pending)
+                    for r in pending:
+                        r.succeed(self.version[k])
+                    pending = []
+            else:  # computed on a version already applied: too late
+                self.dropped += 1
+                reply.succeed(self.version[k])
+
+
+def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle_hint: float = 1.0,
+             cycles: int = 0) -> SimResult:
+    """Run `cycles` of about `cycle_hint` seconds (the closed form's step); the first tenth
+    is left out of the rates, as a bench leaves out its warm-up steps. By default the
+    cycles shrink from 300 as pushers x shards grow (the samples per cycle grow with them),
+    to no fewer than 40."""
+    cycles = cycles or max(40, min(300, 20_000 // max(1, st.pushers * len(st.shard_bytes))))
+    sim = _Sim(p, st, spread, seed)
+    for k in range(len(st.shard_bytes)):
+        sim.env.process(sim.shard(k))
+    for i in range(st.pushers):
+        sim.env.process(sim.pusher(i))
+    horizon = cycles * cycle_hint
+    sim.env.run(until=horizon)
+    start = horizon / 10
+    kept = [img for t, img in sim.done if t >= start]
+    steps = len(sim.done) / st.pushers
+    if not kept or steps < 2:
+        raise RuntimeError(f"simulation made {steps:.1f} steps per pusher in {horizon:.3g} s; raise cycles")
+    hist = [0] * 64
+    for s in sim.stale:
+        hist[min(s, 63)] += 1
+    return SimResult(
+        images_per_sec=sum(kept) / (horizon - start),
+        step_s=st.pushers * (horizon - start) / len(kept),
+        compute_s=sim.computing / len(sim.done),
+        intra_s=(intra_average_s(p, st) + intra_broadcast_s(p, st)) if st.per_node else 0.0,
+        staleness_mean=sum(sim.stale) / len(sim.stale) if sim.stale else 0.0,
+        staleness_hist=hist,
+        dropped_fraction=sim.dropped / sim.sent if sim.sent else 0.0,
+        ps_cpu_util=max((sim.busy["ps", k] / horizon for k in range(len(st.shard_bytes))), default=0.0),
+        link_util=max((v / horizon for key, v in sim.busy.items() if key[1] in ("out", "in")), default=0.0),
+        link_bytes={f"node {n + 1}": b / steps for n, b in sorted(sim.moved.items())},
+    )
