@@ -7,7 +7,13 @@
 - point-to-point: two processes (torch.distributed, gloo) sending messages of
   4 bytes and of one gradient back and forth: latency and bandwidth;
 - all-reduce: N processes all-reducing the same two sizes; the ring formula
-  solved for latency and bandwidth.
+  solved for latency and bandwidth;
+- on a shared host, a real 2-replica all-reduce job: alone, the two
+  microbenchmarks above run with cores to spare, while in a job every
+  message waits for its peer to get a core back from computing. The job's
+  step less compute and optimizer is its communication under load; the
+  latencies are multiplied and the bandwidths divided by its ratio to the
+  microbenchmark's all-reduce (never below 1).
 
 Without a GPU every process of a local job shares this host's cores
 (shared_cores = the core count) and nodes talk through loopback, so the
@@ -29,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import Config
+from ..config import Config, dump_toml
 from .profile import Profile
 
 SMALL = 1  # elements of the latency message (4 bytes)
@@ -63,12 +69,12 @@ def _comm_worker(rank: int, world: int, port: int, numel: int, out: str, backend
                     else:
                         dist.recv(t, 0)
                         dist.send(t, 0)
-                result[f"p2p_{n}"] = _timed(ping_pong, 10) / 2  # one way
+                result[f"p2p_{n}"] = _timed(ping_pong, 20) / 2  # one way
             def reduce():
                 dist.all_reduce(t)  # collective over every process
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-            result[f"ar_{n}"] = _timed(reduce, 10)
+            result[f"ar_{n}"] = _timed(reduce, 20)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -119,6 +125,24 @@ def measure_step(cfg: Config, warmup: int, steps: int) -> tuple[float, str]:
     return cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 
+def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> float:
+    """Seconds per step of a real local job: one node, `replicas` replicas, all-reduce."""
+    from ..cli import main as cli
+
+    sets = {"cluster.nodes": 1, "cluster.gpus_per_node": replicas, "cluster.num_ps": 0,
+            "strategy.name": "allreduce", "strategy.slow_node": -1, "train.steps": warmup + steps,
+            "train.warmup_log_steps": warmup, "train.eval_every": 0, "train.checkpoint_every": 0,
+            "train.log_every": max(1, steps // 8)}
+    job = cfg.replace(**sets)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "recipe.toml").write_text(dump_toml(job))
+        rc = cli(["train", "--recipe", str(Path(tmp) / "recipe.toml"), "--run-dir", str(Path(tmp) / "run"), "--quiet"])
+        if rc:
+            raise RuntimeError(f"the calibration job failed (exit status {rc})")
+        summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+    return replicas * cfg.data.batch_size / summary["images_per_sec"]
+
+
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple[Profile, dict]:
     from .setup import param_numels
 
@@ -142,6 +166,14 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple
     ilat, ibw = ring_alpha_beta(n, ar[f"ar_{SMALL}"], ar[f"ar_{numel}"], nbytes)
     say(f"  all-reduce over {n}: {ar[f'ar_{numel}'] * 1e3:.2f} ms; latency {ilat * 1e6:.0f} us, "
         f"{ibw / 1e9:.2f} GB/s")
+    if not gpu:
+        from .costs import ring_allreduce_s
+
+        job_s = measure_job(cfg, 2, warmup, steps)
+        alone = ring_allreduce_s(2, nbytes, ibw, ilat)
+        load = max(1.0, (job_s - compute_s - opt_s) / alone)
+        say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")
+        ilat, ibw, lat, bw = ilat * load, ibw / load, lat * load, bw / load
     prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
                    compute_s=compute_s, optimizer_s=0.0 if gpu else opt_s,

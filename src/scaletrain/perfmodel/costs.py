@@ -44,7 +44,7 @@ class Estimate:
     parts: dict[str, float]              # seconds of the step by activity
     ps_cpu_util: float = 0.0             # busiest PS's CPU busy fraction
     link_util: float = 0.0               # busiest network link's busy fraction
-    link_bytes: dict[str, float] = field(default_factory=dict)  # bytes per step on each link
+    link_bytes: dict[str, float] = field(default_factory=dict)  # bytes each node's link sends per step
     staleness_mean: float | None = None
     dropped_fraction: float = 0.0
     straggler_s: float = 0.0
@@ -110,7 +110,7 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
     moved = 2 * n_push * sum(st.shard_bytes)  # every gradient and every reply, copied once each
     cpu = st.nodes * st.replicas * (p.compute_s + parts["intra-node"]) + sum(apply_k) + moved / p.local_bandwidth
     step = max(sum(parts.values()), shared_floor(p, cpu))
-    # A node's link sends its pushes and its PS's replies, and receives the mirror image.
+    # A node's link sends its pushes and its PS's replies, and receives as much.
     links = {f"node {a + 1}": out_b.get(a, 0.0) + in_b.get(a, 0.0) for a in sorted({*out_b, *in_b})}
     est = Estimate(step, st.nodes * st.replicas * p.batch_per_replica, parts, link_bytes=links,
                    ps_cpu_util=max(apply_k) / step, staleness_mean=0.0)

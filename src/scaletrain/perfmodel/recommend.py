@@ -6,6 +6,7 @@ parameter servers, PS counts of 1, 2, 3, 5, 7, ... (odd counts spread tensors
 better) up to T alongside the workers, or T - p workers with p dedicated PS
 nodes; backup strategies with one backup node. The objective ranks them;
 configurations below --min-efficiency or above --max-staleness are left out.
+Images whose gradients a backup strategy drops count for nothing in the ranking.
 """
 
 from __future__ import annotations
@@ -48,12 +49,19 @@ def candidates(cfg: Config, total: int) -> list[Config]:
     return out
 
 
+def value(row: dict[str, Any], objective: str) -> float:
+    """The objective, counting only gradients that are applied."""
+    return row["images_per_sec" if objective == "throughput" else "efficiency"] * (1 - row["dropped_fraction"])
+
+
 def why(loser: dict[str, Any], best: dict[str, Any], objective: str) -> str:
     """'-17% throughput; PS CPU busy 0.83 of the step; mean staleness 7.0'."""
-    key = "images_per_sec" if objective == "throughput" else "efficiency"
     others = {k: v for k, v in loser["busy"].items() if k != "compute"}
     limit = max(others, key=others.get)
-    reason = f"{loser[key] / best[key] - 1:+.0%} {objective}; {limit} busy {others[limit]:.2f} of the step"
+    reason = f"{value(loser, objective) / value(best, objective) - 1:+.0%} {objective}; {limit} busy " \
+             f"{others[limit]:.2f} of the step"
+    if loser["dropped_fraction"]:
+        reason += f"; drops {loser['dropped_fraction']:.0%} of gradients"
     if loser.get("staleness_mean"):
         reason += f"; mean staleness {loser['staleness_mean']:.1f}"
     if loser["nodes_total"] > best["nodes_total"]:
@@ -66,7 +74,6 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
               runners_up: int = 3, progress: bool = True) -> list[dict[str, Any]]:
     """One entry per node count: {"nodes": T, "best": row, "runners_up": [(row, reason), ...],
     "considered": n}; best is None when no candidate meets the limits."""
-    key = "images_per_sec" if objective == "throughput" else "efficiency"
     out = []
     for total in node_counts(max_nodes):
         rows = []
@@ -77,9 +84,9 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
                 continue  # a shape the profile's nodes cannot hold
         ok = [r for r in rows if r["efficiency"] >= min_efficiency
               and (max_staleness is None or (r["staleness_mean"] or 0.0) <= max_staleness)]
-        top = max((r[key] for r in ok), default=1.0)
+        top = max((value(r, objective) for r in ok), default=1.0)
         # Near-ties (within 1%) go to the fresher gradients, then to fewer PS.
-        ok.sort(key=lambda r: (-round(r[key] / top, 2), r["staleness_mean"] or 0.0, r["num_ps"]))
+        ok.sort(key=lambda r: (-round(value(r, objective) / top, 2), r["staleness_mean"] or 0.0, r["num_ps"]))
         best = ok[0] if ok else None
         out.append({"nodes": total, "best": best, "considered": len(rows),
                     "runners_up": [(r, why(r, best, objective)) for r in ok[1:1 + runners_up]]})

@@ -48,7 +48,7 @@ class SimResult:
     dropped_fraction: float          # gradients dropped (too late) over gradients sent
     ps_cpu_util: float               # busiest shard's CPU busy fraction
     link_util: float                 # busiest network link's busy fraction
-    link_bytes: dict[str, float]     # bytes per pusher step through each node's link (out + in)
+    link_bytes: dict[str, float]     # bytes each node's link sends per pusher step (and receives)
 
 
 class _Sim:
@@ -100,8 +100,7 @@ class _Sim:
                 yield self.env.timeout(seconds)
         self.busy[a, "out"] += seconds
         self.busy[b, "in"] += seconds
-        self.moved[a] += nbytes
-        self.moved[b] += nbytes
+        self.moved[a] += nbytes  # sent; what a node receives mirrors it over a push and its reply
         yield self.env.timeout(p.net_latency)
 
     def pusher(self, i: int):

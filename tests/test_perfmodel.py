@@ -1,0 +1,253 @@
+"""The performance model: closed forms, the simulation on cases with a known answer,
+the recommender on a toy profile, the study's profile against the study's figures,
+and calibrate -> bench -> validate -> report on this machine."""
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.perfmodel import costs
+from scaletrain.perfmodel.predict import estimate, predict
+from scaletrain.perfmodel.profile import Profile, ProfileError, load_profile
+from scaletrain.perfmodel.recommend import recommend
+from scaletrain.perfmodel.setup import ModelError, check_workload, make_setup
+from scaletrain.perfmodel.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+G = 1_000_000  # bytes of the toy gradient
+TOY = Profile(model="resnet8", image_size=16, batch_per_replica=32, gradient_bytes=G, replicas_per_node=4,
+              compute_s=1.0, optimizer_s=0.01, intra_bandwidth=1e7, intra_latency=1e-3, net_bandwidth=1e6,
+              net_latency=0.01, local_bandwidth=1e8, ps_apply_rate=1e8)
+
+
+def cfg_of(strategy="allreduce", nodes=1, gpus=1, ps=0, where="alongside", **more):
+    sets = [f"strategy.name={strategy}", f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}",
+            f"cluster.num_ps={ps}", f"cluster.ps_placement={where}", "model.name=resnet8", "data.image_size=16"]
+    return load_config(None, sets + [f"{k.replace('__', '.')}={v}" for k, v in more.items()])
+
+
+# --- closed forms -----------------------------------------------------------------------------
+
+def test_ring_allreduce_alpha_beta():
+    # 2(n-1) steps, each latency + (bytes/n)/bandwidth
+    assert costs.ring_allreduce_s(4, 100, bandwidth=10, latency=1) == pytest.approx(6 * (1 + 2.5))
+    assert costs.ring_allreduce_s(1, 100, 10, 1) == 0
+    # large messages: each process moves 2(n-1)/n of the buffer, tending to 2x
+    assert costs.ring_allreduce_s(64, 1e9, 1e9, 0) == pytest.approx(2 * 63 / 64)
+
+
+def test_broadcast_and_transfer():
+    assert costs.broadcast_s(4, 100, 10, 1) == pytest.approx(2 * 1 + 10)
+    assert costs.broadcast_s(1, 100, 10, 1) == 0
+    assert costs.transfer_s(100, 10, 1) == pytest.approx(11)
+
+
+def test_allreduce_step_uses_network_ring_across_nodes():
+    est = costs.allreduce(TOY, make_setup(cfg_of(nodes=2, gpus=2), TOY))
+    ring = 2 * 3 * (0.01 + G / 4 / 1e6)
+    assert est.step_s == pytest.approx(1.0 + ring + 0.01)
+    assert est.images_per_step == 4 * 32
+    one = costs.allreduce(TOY, make_setup(cfg_of(nodes=1, gpus=4), TOY))  # inside the node: intra figures
+    assert one.step_s == pytest.approx(1.0 + 2 * 3 * (1e-3 + G / 4 / 1e7) + 0.01)
+
+
+def test_sync_ps_dedicated_one_shard():
+    # N pushers into one dedicated PS: N gradients through its link in, one take-in at the end
+    # not hidden, N replies out; each phase also pays one latency.
+    n = 3
+    st = make_setup(cfg_of("sync", nodes=n, ps=1, where="dedicated"), TOY)
+    est = costs.sync_ps(TOY, st)
+    assert est.step_s == pytest.approx(1.0 + 2 * (n * G / 1e6 + 0.01) + G / 1e8)
+    assert est.link_bytes == {"node 1": G, "node 2": G, "node 3": G, "node 4": n * G}
+
+
+def test_sync_ps_sharding_and_per_replica_pushes():
+    # More dedicated shards split the hot link's bytes.
+    one = costs.sync_ps(TOY, make_setup(cfg_of("sync", nodes=2, ps=1, where="dedicated"), TOY))
+    two = costs.sync_ps(TOY, make_setup(cfg_of("sync", nodes=2, ps=2, where="dedicated"), TOY))
+    assert two.step_s < one.step_s
+    # Colocated: the node's own pusher reaches its PS without the network.
+    along = make_setup(cfg_of("sync", nodes=2, ps=1), TOY)
+    assert costs.sync_ps(TOY, along).link_bytes == {"node 1": G, "node 2": G}
+    # Pushing per replica (async) sends gpus times the bytes of pushing per node.
+    per_node = make_setup(cfg_of("mixed-async", nodes=2, gpus=2, ps=1, where="dedicated"), TOY)
+    per_replica = make_setup(cfg_of("async", nodes=2, gpus=2, ps=1, where="dedicated"), TOY)
+    assert per_replica.pushers == 2 * per_node.pushers
+    assert sum(costs._phase_bytes(per_replica)[1].values()) == 2 * sum(costs._phase_bytes(per_node)[1].values())
+
+
+# --- the simulation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_equal_async_workers_are_n_minus_1_stale(n):
+    fast = replace(TOY, net_bandwidth=1e9, ps_apply_rate=1e10)
+    res = simulate(fast, make_setup(cfg_of("async", nodes=n, ps=1), fast), cycle_hint=1.0)
+    assert res.staleness_mean == pytest.approx(n - 1, abs=0.05)
+    # the PS takes 1e-4 s a gradient: no queue, every cycle is compute + two transfers + take-in,
+    # except the PS's own node's, whose transfers are local
+    remote, local = 1.0 + 2 * (0.01 + G / 1e9) + G / 1e10, 1.0 + 2 * G / 1e8 + G / 1e10
+    assert res.images_per_sec == pytest.approx(32 * ((n - 1) / remote + 1 / local), rel=0.01)
+
+
+def test_backup_with_no_backups_is_sync():
+    for shape in [dict(nodes=3, ps=1, where="dedicated"), dict(nodes=4, ps=2), dict(nodes=2, gpus=2, ps=1)]:
+        sync = make_setup(cfg_of("sync", **shape), TOY)
+        backup = make_setup(cfg_of("backup", **shape, strategy__backup_workers=0), TOY)
+        assert backup == sync and backup.wait_for == backup.pushers
+        closed = costs.sync_ps(TOY, sync)
+        a = simulate(TOY, backup, cycle_hint=closed.step_s)
+        b = simulate(TOY, sync, cycle_hint=closed.step_s)
+        assert a.images_per_sec == b.images_per_sec and a.dropped_fraction == 0 and a.staleness_mean == 0
+        # rounds never take longer than the closed form's phases in sequence
+        assert a.step_s <= closed.step_s * 1.005
+    for shape in [dict(nodes=4, ps=2), dict(nodes=2, gpus=2, ps=1)]:  # no hot link: the two agree
+        st = make_setup(cfg_of("backup", **shape, strategy__backup_workers=0), TOY)
+        closed = costs.sync_ps(TOY, st)
+        assert simulate(TOY, st, cycle_hint=closed.step_s).step_s == pytest.approx(closed.step_s, rel=0.01)
+    # Three pushers and one dedicated PS (transfers of t = 1 s on the PS's link): once running,
+    # the first pusher served computes and pushes again while the others still get their
+    # replies, so a round lasts c + (N + 1) t + take-in + two latencies, not c + 2 N t + ...
+    st = make_setup(cfg_of("sync", nodes=3, ps=1, where="dedicated"), TOY)
+    res = simulate(TOY, st, cycle_hint=5.0)
+    assert res.step_s == pytest.approx(1.0 + 4 * G / 1e6 + G / 1e8 + 2 * 0.01, rel=0.005)
+
+
+def test_backup_workers_leave_the_straggler_behind():
+    slow = dict(strategy__slow_node=2, strategy__slow_delay_s=3.0)
+    fast = replace(TOY, net_bandwidth=1e8)
+    sync, _ = estimate(fast, make_setup(cfg_of("sync", nodes=4, ps=1, where="dedicated", **slow), fast))
+    backup, _ = estimate(fast, make_setup(cfg_of("backup", nodes=4, ps=1, where="dedicated",
+                                                 strategy__backup_workers=1, **slow), fast))
+    assert backup.images_per_sec > 1.5 * sync.images_per_sec
+    assert 0 < backup.dropped_fraction <= 0.25
+    assert sync.straggler_s == pytest.approx(3.0, rel=0.05)  # everyone waits the slow node's delay
+
+
+def test_speed_spread_slows_sync_more_than_async():
+    fast = replace(TOY, net_bandwidth=1e9, ps_apply_rate=1e10)
+    for name, lo, hi in (("sync", 0.6, 0.9), ("mixed-async", 0.97, 1.03)):
+        st = make_setup(cfg_of(name, nodes=8, ps=1), fast)
+        even, _ = estimate(fast, st)
+        uneven, _ = estimate(fast, st, spread=0.3)
+        assert lo < uneven.images_per_sec / even.images_per_sec < hi, name
+
+
+# --- predictions, the study's profile, the recommender -----------------------------------------
+
+STUDY = [  # the study's 4-worker rows (shared reference): placement and measured img/s
+    ("cluster.num_ps=0", "cluster.nodes=1", 124.18),
+    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62),
+    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73),
+    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22),
+]
+
+
+@pytest.mark.parametrize("ps,where,measured", STUDY)
+def test_study_profile_predicts_the_4_worker_rows_within_10_percent(ps, where, measured):
+    prof, about = load_profile(ROOT / "profiles/study-k80.toml")
+    sets = ["cluster.gpus_per_node=4", "cluster.nodes=4", ps, where,
+            "strategy.name=" + ("allreduce" if ps.endswith("=0") else "mixed-async")]
+    row = predict(load_config(ROOT / "recipes/anp-resnet50.toml", sets), prof)
+    assert row["images_per_sec"] == pytest.approx(measured, rel=0.10)
+    assert row["efficiency"] == pytest.approx(row["speedup"] / row["nodes_total"])
+
+
+def test_one_ps_for_four_nodes_is_ps_bound():
+    prof, _ = load_profile(ROOT / "profiles/study-k80.toml")
+    cfg = load_config(ROOT / "recipes/anp-resnet50.toml", ["cluster.gpus_per_node=4", "cluster.nodes=4",
+                                                           "cluster.num_ps=1", "strategy.name=mixed-async"])
+    row = predict(cfg, prof)
+    assert row["bottleneck"] == "PS CPU" and row["ps_cpu_util"] > 0.95
+    assert row["staleness_mean"] == pytest.approx(3.0, abs=0.1)
+
+
+def test_recommender_on_a_toy_profile_with_a_known_best():
+    # A latency-bound network (1 s a message), everything else free, compute 1 s:
+    # - all-reduce across n nodes pays 2(n-1) latencies a step, a PS push two (3 s cycles);
+    # - sync waits for the slowest pusher: every node at 3 s;
+    # - with one PS alongside, asynchronous shards let the PS's own node (local transfers)
+    #   cycle every 1 s: 32 (k / 3 + 1) img/s with k other nodes; more PS only add latency
+    #   to that node, dedicated ones take a worker's place.
+    toy = replace(TOY, net_latency=1.0, net_bandwidth=1e12, intra_bandwidth=1e12, local_bandwidth=1e12,
+                  ps_apply_rate=1e12, optimizer_s=0.0)
+    entries = recommend(cfg_of(), toy, max_nodes=4, progress=False)
+    best = {e["nodes"]: e["best"] for e in entries}
+    assert [e["nodes"] for e in entries] == [1, 2, 4]
+    assert best[1]["strategy"] == "allreduce" and best[1]["num_ps"] == 0  # ties go to no PS
+    for n in (2, 4):
+        b = best[n]
+        assert (b["strategy"], b["num_ps"], b["ps_placement"], b["nodes"]) == ("mixed-async", 1, "alongside", n)
+        assert b["images_per_sec"] == pytest.approx(32 * ((n - 1) / 3 + 1), rel=0.01)
+    losers = {r["strategy"]: why for r, why in reversed(entries[-1]["runners_up"])}
+    assert set(losers) >= {"async", "sync"} and losers["sync"].startswith("-33% throughput")
+    # Asked for efficiency >= 0.9, four nodes have nothing to offer.
+    assert recommend(cfg_of(), toy, 4, min_efficiency=0.9, progress=False)[-1]["best"] is None
+
+
+def test_errors_name_the_file_and_key(tmp_path):
+    bad = tmp_path / "p.toml"
+    bad.write_text("[node]\ncompute_ms = 3\n")
+    with pytest.raises(ProfileError, match=r"p.toml: unknown key node.compute_ms"):
+        load_profile(bad)
+    bad.write_text("[workload]\nmodel='resnet8'\ngradient_bytes=-1\n[node]\ncompute_s=1.0\n")
+    with pytest.raises(ProfileError, match=r"workload.gradient_bytes = -1: out of range"):
+        load_profile(bad)
+    with pytest.raises(ModelError, match="measured for resnet50, 224 px, batch 32"):
+        check_workload(cfg_of(), load_profile(ROOT / "profiles/study-k80.toml")[0], "study-k80.toml")
+    with pytest.raises(ModelError, match="offer 4 replicas"):
+        make_setup(cfg_of(gpus=8), TOY)
+
+
+# --- on this machine: calibrate, bench, validate, report ---------------------------------------
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_calibrate_bench_validate_report(tmp_path):
+    sets = ["--set", "data.workers=0", "--set", "optim.warmup_steps=0", "--set", "cluster.gpus_per_node=2"]
+    prof = tmp_path / "local.toml"
+    r = run("calibrate", "--recipe", "recipes/digits.toml", *sets, "--steps", "10", "--out", str(prof))
+    assert r.returncode == 0, r.stderr
+    p, about = load_profile(prof)
+    assert p.model == "resnet8" and p.gradient_bytes == 4 * 78042 and p.compute_s > 0 and p.shared_cores >= 1
+    bench = tmp_path / "bench"
+    r = run("bench", "--recipe", "recipes/digits.toml", *sets, "--grid", "cluster.nodes=1,2",
+            "--grid", "strategy.name+cluster.num_ps=allreduce:0,mixed-async:1", "--warmup", "3", "--steps", "12",
+            "--out", str(bench))
+    assert r.returncode == 0, r.stderr
+    r = run("predict", "--profile", str(prof), "--validate", str(bench), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["rows"]) == 4
+    for row in out["rows"]:
+        assert row["rel_error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+    assert out["median_abs_error"] == pytest.approx(statistics.median(abs(x["rel_error"]) for x in out["rows"]))
+    assert (bench / "validate.md").exists()
+    r = run("report", str(bench), "--out", str(tmp_path / "report"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "report/predicted-measured.png").exists()
+    assert "Predicted against measured" in (tmp_path / "report/report.html").read_text()
+
+
+def test_predict_cli_table_json_and_errors():
+    args = ["predict", "--profile", "profiles/study-k80.toml", "--recipe", "recipes/anp-resnet50.toml",
+            "--set", "cluster.gpus_per_node=4", "--grid", "cluster.nodes=1,2", "--grid",
+            "strategy.name+cluster.num_ps=sync:1,mixed-async:1"]
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert "| sync, 2 nodes (2 workers x 4 replicas + 1 PS alongside) |" in r.stdout
+    rows = json.loads(run(*args, "--format", "json").stdout)
+    assert [r["method"] for r in rows] == ["closed form", "simulation"] * 2
+    assert all(r["link_bytes_per_step"] is not None and r["bottleneck"] for r in rows)
+    r = run("predict", "--profile", "profiles/study-k80.toml", "--recipe", "recipes/digits.toml")
+    assert r.returncode == 2 and "measured for resnet50" in r.stderr and "Traceback" not in r.stderr
+    r = run("predict", "--profile", "profiles/nope.toml", "--recipe", "recipes/digits.toml")
+    assert r.returncode == 2 and "profile profiles/nope.toml not found" in r.stderr
