@@ -250,13 +250,17 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     if recipe is None:
         return build_config({}, overrides)
     path = Path(recipe)
+    return build_config(read_toml(path, "recipe"), overrides, origin=str(path))
+
+
+def read_toml(path: Path, kind: str, error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """The tables of a TOML file; `error` with one line naming the file when it cannot be read."""
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"recipe {path} not found") from None
+        raise error(f"{kind} {path} not found") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"recipe {path}: not valid TOML: {e}") from None
-    return build_config(data, overrides, origin=str(path))
+        raise error(f"{kind} {path}: not valid TOML: {e}") from None
 
 
 def dump_toml(cfg: Config) -> str:

@@ -112,35 +112,22 @@ def measure_optimizer(cfg: Config, numel: int) -> float:
     return _timed(opt.step, 10)
 
 
-def measure_step(cfg: Config, warmup: int, steps: int) -> tuple[float, str]:
-    """Seconds per step of a single-replica training run of the recipe, and its device."""
-    from ..train import train
+def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> tuple[float, str]:
+    """Seconds per step of a real local training job of the recipe (one node, `replicas`
+    replicas of one thread each, all-reduce, no evaluation), and its device."""
+    from ..cli import main as cli
 
-    one = cfg.replace(**{"cluster.nodes": 1, "cluster.gpus_per_node": 1, "cluster.num_ps": 0,
+    job = cfg.replace(**{"cluster.nodes": 1, "cluster.gpus_per_node": replicas, "cluster.num_ps": 0,
                          "strategy.name": "allreduce", "strategy.slow_node": -1, "train.threads": 1,
                          "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
                          "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = train(one, Path(tmp) / "run", progress=False)
-    return cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
-
-
-def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> float:
-    """Seconds per step of a real local job: one node, `replicas` replicas, all-reduce."""
-    from ..cli import main as cli
-
-    sets = {"cluster.nodes": 1, "cluster.gpus_per_node": replicas, "cluster.num_ps": 0,
-            "strategy.name": "allreduce", "strategy.slow_node": -1, "train.steps": warmup + steps,
-            "train.warmup_log_steps": warmup, "train.eval_every": 0, "train.checkpoint_every": 0,
-            "train.log_every": max(1, steps // 8)}
-    job = cfg.replace(**sets)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "recipe.toml").write_text(dump_toml(job))
         rc = cli(["train", "--recipe", str(Path(tmp) / "recipe.toml"), "--run-dir", str(Path(tmp) / "run"), "--quiet"])
         if rc:
             raise RuntimeError(f"the calibration job failed (exit status {rc})")
         summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
-    return replicas * cfg.data.batch_size / summary["images_per_sec"]
+    return replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple[Profile, dict]:
@@ -153,7 +140,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple
     say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient)")
     from ..train import pick_device
 
-    step_s, device = measure_step(cfg, warmup, steps)
+    step_s, device = measure_job(cfg, 1, warmup, steps)
     gpu = pick_device(cfg).type == "cuda"
     compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
     say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
@@ -169,7 +156,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple
     if not gpu:
         from .costs import ring_allreduce_s
 
-        job_s = measure_job(cfg, 2, warmup, steps)
+        job_s, _ = measure_job(cfg, 2, warmup, steps)
         alone = ring_allreduce_s(2, nbytes, ibw, ilat)
         load = max(1.0, (job_s - compute_s - opt_s) / alone)
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")

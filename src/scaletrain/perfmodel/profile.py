@@ -9,12 +9,11 @@ ranges and names the file and key of anything wrong.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import get_type_hints
 
-from ..config import check_value, opt
+from ..config import check_value, opt, read_toml
 
 
 class ProfileError(ValueError):
@@ -58,12 +57,7 @@ def field_docs() -> dict[str, str]:
 def load_profile(path: str | Path) -> tuple[Profile, dict]:
     """The profile in `path` and its [about] table (provenance, assumptions)."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"profile {path} not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ProfileError(f"profile {path}: not valid TOML: {e}") from None
+    data = read_toml(path, "profile", ProfileError)
     about = data.pop("about", {})
     known, types = {f.name: f for f in fields(Profile)}, get_type_hints(Profile)
     values = {}
