@@ -31,10 +31,6 @@ def broadcast_s(n: int, nbytes: float, bandwidth: float, latency: float) -> floa
     return 0.0 if n <= 1 else math.ceil(math.log2(n)) * latency + nbytes / bandwidth
 
 
-def transfer_s(nbytes: float, bandwidth: float, latency: float) -> float:
-    return latency + nbytes / bandwidth
-
-
 @dataclass
 class Estimate:
     """A configuration's predicted step: the time of one pusher cycle and where it goes."""

@@ -21,9 +21,6 @@ from .profile import Profile
 from .setup import Setup, make_setup
 from .simulate import simulate
 
-BOTTLENECKS = ("compute", "intra-node", "network", "PS network", "PS CPU", "straggler")
-
-
 def expected_max(p: Profile, n: int, spread: float, samples: int = 4000, seed: int = 0) -> float:
     """Mean of the slowest of n replicas' compute times (all-reduce waits for it)."""
     if not spread or n <= 1:

@@ -50,10 +50,6 @@ class Profile:
                 f"{self.replicas_per_node} replicas per node at {self.compute_s * 1e3:.1f} ms per step")
 
 
-def field_docs() -> dict[str, str]:
-    return {f.name: f.metadata["doc"] for f in fields(Profile)}
-
-
 def load_profile(path: str | Path) -> tuple[Profile, dict]:
     """The profile in `path` and its [about] table (provenance, assumptions)."""
     path = Path(path)

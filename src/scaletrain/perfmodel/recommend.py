@@ -20,9 +20,6 @@ from .predict import predict
 from .profile import Profile
 from .setup import ModelError
 
-OBJECTIVES = ("throughput", "efficiency")
-
-
 def node_counts(max_nodes: int) -> list[int]:
     counts, n = [], 1
     while n < max_nodes:

@@ -44,7 +44,6 @@ class SimResult:
     compute_s: float                 # mean seconds a pusher's replicas spend computing per step
     intra_s: float                   # seconds per step averaging and sharing inside the node
     staleness_mean: float
-    staleness_hist: list[int]
     dropped_fraction: float          # gradients dropped (too late) over gradients sent
     ps_cpu_util: float               # busiest shard's CPU busy fraction
     link_util: float                 # busiest network link's busy fraction
@@ -177,16 +176,12 @@ def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle
     steps = len(sim.done) / st.pushers
     if not kept or steps < 2:
         raise RuntimeError(f"simulation made {steps:.1f} steps per pusher in {horizon:.3g} s; raise cycles")
-    hist = [0] * 64
-    for s in sim.stale:
-        hist[min(s, 63)] += 1
     return SimResult(
         images_per_sec=sum(kept) / (horizon - start),
         step_s=st.pushers * (horizon - start) / len(kept),
         compute_s=sim.computing / len(sim.done),
         intra_s=(intra_average_s(p, st) + intra_broadcast_s(p, st)) if st.per_node else 0.0,
         staleness_mean=sum(sim.stale) / len(sim.stale) if sim.stale else 0.0,
-        staleness_hist=hist,
         dropped_fraction=sim.dropped / sim.sent if sim.sent else 0.0,
         ps_cpu_util=max((sim.busy["ps", k] / horizon for k in range(len(st.shard_bytes))), default=0.0),
         link_util=max((v / horizon for key, v in sim.busy.items() if key[1] in ("out", "in")), default=0.0),
