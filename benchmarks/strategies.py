@@ -1,9 +1,13 @@
 """Images/s of every strategy at the same replica count on this machine, in one run.
 
-Each strategy runs as a real local job (processes, gloo); the single-process
-figure is given for reference. Prints one JSON object.
+Each strategy runs as a real local job (processes, gloo) to the same target:
+steps x replicas x batch images applied. The figures are the job's: images
+applied over the job's training time, on the chief's clock; images computed
+(dropped gradients included) are given beside them. The single-process figure
+is given for reference. `--slow-delay S` slows the last node by S seconds a
+step (a straggler). Prints one JSON object.
 
-    python benchmarks/strategies.py [--nodes 2 --gpus-per-node 2 --steps 60 --model resnet8 --image-size 16]
+    python benchmarks/strategies.py [--nodes 2 --gpus-per-node 2 --steps 60 --batch 32 --slow-delay 0]
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def main() -> None:
     ap.add_argument("--num-ps", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--slow-delay", type=float, default=0.0, help="seconds added to every step of the last node")
     a = ap.parse_args()
     base = [f"train.steps={a.steps}", "train.eval_every=0", "train.warmup_log_steps=5", "data.workers=0",
             "train.log_every=5", f"data.batch_size={a.batch}"]
@@ -70,15 +75,20 @@ def main() -> None:
     rows = []
     for name, e in REGISTRY.items():
         extra = ["strategy.backup_workers=1"] if name == "backup" and a.nodes > 1 else []
+        if a.slow_delay:
+            extra += [f"strategy.slow_node={a.nodes - 1}", f"strategy.slow_delay_s={a.slow_delay}"]
         s = run(a.recipe, base + [f"strategy.name={name}", f"cluster.nodes={a.nodes}",
                                   f"cluster.gpus_per_node={a.gpus_per_node}",
                                   f"cluster.num_ps={a.num_ps if e.uses_ps else 0}", *extra])
         rows.append({"strategy": name, "images_per_sec": s["images_per_sec"],
+                     "images_per_sec_stderr": s["images_per_sec_stderr"], "train_seconds": s["train_seconds"],
+                     "images_applied": s["images_applied"], "images_computed": s["images_computed"],
                      "speedup_vs_single": s["images_per_sec"] / single["images_per_sec"],
                      "staleness_mean": s.get("staleness_mean"), "dropped_gradients": s.get("dropped_gradients"),
                      "bytes_per_step": s["bytes_per_step"], "time_split_s": s["time_split_s"]})
     print(json.dumps({"benchmark": "strategies", "replicas": replicas, "nodes": a.nodes,
                       "gpus_per_node": a.gpus_per_node, "num_ps": a.num_ps, "steps": a.steps,
+                      "slow_delay_s": a.slow_delay,
                       "batch_per_replica": a.batch, "model": single["model"],
                       "single_process_images_per_sec": single["images_per_sec"], "strategies": rows,
                       **run_info(torch.device("cpu"))}, indent=2))

@@ -3,6 +3,7 @@ import torch
 from safetensors.torch import load_file
 
 from scaletrain import checkpoint
+from scaletrain.checkpoint import CheckpointError
 from scaletrain.train import RunError, train
 
 
@@ -59,7 +60,7 @@ def test_resume_without_checkpoint_starts_fresh(digits_cfg, tmp_path):
 
 def test_incompatible_checkpoint_refused_naming_keys(digits_cfg, tmp_path):
     train(digits_cfg("train.steps=2"), tmp_path / "r", progress=False)
-    with pytest.raises(RunError, match=r"differing keys: model\.width \(16 -> 8\), optim\.lr"):
+    with pytest.raises(CheckpointError, match=r"differing keys: model\.width \(16 -> 8\), optim\.lr"):
         train(digits_cfg("train.steps=4", "model.width=8", "optim.lr=0.2"), tmp_path / "r", resume=True,
               progress=False)
     with pytest.raises(RunError, match="pass --resume"):

@@ -8,19 +8,23 @@ file under a loadable name. Loading uses weights_only=True.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger("scaletrain")
 PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
 # Keys that may change between a run and its resumption: how long to run and
 # how often to report, not what is being computed.
 RESUMABLE_CHANGES = {
     "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every",
-    "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps",
+    "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps", "train.target_accuracy",
+    "train.target_loss",
     "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
 }
 
@@ -129,3 +133,36 @@ def set_rng_state(st: dict[str, Any]) -> None:
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
+
+
+@dataclass
+class Resumed:
+    """What a run continues from: the checkpoint's state, its file, and the job's progress."""
+
+    state: dict[str, Any]
+    path: Path
+    images: int             # images the job had applied
+    best: float | None      # best test accuracy so far
+    bad: set[str]           # unreadable files met so far
+
+
+def resume(ckpt_dir: Path, cfg, model: torch.nn.Module, optimizer, distributed: bool,
+           step_images: int) -> Resumed | None:
+    """Load the newest checkpoint (the same in every process) into model, optimizer and RNG,
+    after checking it was written with the same config; None when there is none."""
+    found = load_agreed(ckpt_dir, distributed)
+    if found is None:
+        log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt_dir)
+        return None
+    state, path = found
+    current = cfg.flat()
+    diff = config_differences(state["config"], current)
+    if diff:
+        raise CheckpointError(f"{path} was written with another config; differing keys: " + ", ".join(
+            f"{k} ({state['config'].get(k)!r} -> {current.get(k)!r})" for k in diff))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    state.setdefault("images", state["step"] * step_images)  # checkpoints written before images were kept
+    log.info("resumed from %s at step %d", path, state["step"])
+    return Resumed(state, path, state["images"], state["best_test_accuracy"], set(state["bad"]))

@@ -77,21 +77,31 @@ class OptimConfig:
     warmup_steps: int = opt(0, "linear warm-up from 0 to lr, steps (>=0)", lo=0, hi=10**9)
     step_size: int = opt(1000, "step schedule: multiply lr by gamma every this many steps (>=1)", lo=1, hi=10**9)
     gamma: float = opt(0.1, "step schedule: factor applied every step_size steps (0..1)", lo=0.0, hi=1.0)
+    scale_lr: str = opt("none", "scale lr with the images per update: none | linear (x B/reference_batch) | "
+                        "sqrt (x sqrt(B/reference_batch)); warm-up then rises from lr to the scaled lr",
+                        choices=("none", "linear", "sqrt"))
+    reference_batch: int = opt(256, "images per update that optim.lr was set for, for scale_lr (1..10^7)",
+                               lo=1, hi=10**7)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = opt(0, "optimizer steps to run (0 = derive from epochs)", lo=0, hi=10**9)
+    steps: int = opt(0, "job steps to run: the run ends when steps x replicas x data.batch_size images have "
+                     "been applied, whatever the strategy (0 = derive from epochs)", lo=0, hi=10**9)
     epochs: float = opt(1.0, "passes over the training set, used when steps = 0 (>0)", lo=0.0, hi=1e6)
     seed: int = opt(0, "seed of initialisation, data order and augmentation (>=0)", lo=0, hi=2**31 - 1)
     deterministic: bool = opt(False, "bit-reproducible kernels and data (slower on GPU)")
-    eval_every: int = opt(0, "evaluate on the test set every this many steps (0 = only at the end)",
+    eval_every: int = opt(0, "evaluate on the test set every this many job steps (0 = only at the end)",
                           lo=0, hi=10**9)
-    checkpoint_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)",
+    target_accuracy: float = opt(0.0, "stop at the first evaluation whose test accuracy reaches this (0 = off; "
+                                 "0..1)", lo=0.0, hi=1.0)
+    target_loss: float = opt(0.0, "stop at the first evaluation point where the mean train loss of all replicas "
+                             "since the previous one is at most this (0 = off; >=0)", lo=0.0, hi=1e6)
+    checkpoint_every: int = opt(0, "save a checkpoint every this many job steps (0 = only at the end)",
                                 lo=0, hi=10**9)
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk (1..100)", lo=1, hi=100)
-    log_every: int = opt(10, "write a metrics row every this many steps (1..10^6)", lo=1, hi=10**6)
-    warmup_log_steps: int = opt(2, "first steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
+    log_every: int = opt(10, "write a metrics row every this many job steps (1..10^6)", lo=1, hi=10**6)
+    warmup_log_steps: int = opt(2, "first job steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))
     channels_last: bool = opt(False, "use the channels_last memory format on CUDA")
@@ -107,7 +117,9 @@ class ClusterConfig:
                             "dedicated (one extra node per PS)", choices=("alongside", "dedicated"))
     sharding: str = opt("balanced", "split of parameters over PS: balanced (equal contiguous ranges) | "
                         "round-robin (whole tensors, as the study did)", choices=("balanced", "round-robin"))
-    timeout_s: float = opt(60.0, "timeout of rendezvous and collectives, seconds (1..86400)", lo=1.0, hi=86400.0)
+    timeout_s: float = opt(60.0, "liveness: a process silent (dead or frozen) this long is lost and the job "
+                           "stops; also the rendezvous wait; healthy work may take any time, seconds (1..86400)",
+                           lo=1.0, hi=86400.0)
     master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
     master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
                            lo=0, hi=65535)
@@ -239,6 +251,10 @@ def _check_relations(cfg: Config) -> None:
     if s.emulate_workers and cfg.distributed:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
                           "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
+    t = cfg.train
+    if (t.target_accuracy or t.target_loss) and not t.eval_every:
+        raise ConfigError("train.target_accuracy / train.target_loss are checked at evaluations: "
+                          "set train.eval_every > 0")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:

@@ -3,10 +3,17 @@
 Every process joins one gloo world (PS traffic and small collectives on CPU
 tensors), then makes the same subgroups in the same order: one per worker
 node (the replicas that average inside the node; NCCL on GPUs) and one of all
-workers (all-reduce). A heartbeat thread writes `hb/RANK` into the
-rendezvous store; a watchdog ends the process when a peer's heartbeat is
-older than cluster.timeout_s, so no process waits forever on a dead one, and
-every error names the rank and node that went missing.
+workers (all-reduce).
+
+Liveness is not a time limit on work. Collectives and receives wait as long
+as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
+a data scan): their timeout is OPERATION_TIMEOUT, days (point-to-point
+operations go through send/recv/wait here for that). A heartbeat thread
+in every process increments the counter `hb/RANK` in the rendezvous store
+and reads everyone's; a peer whose counter has not moved for STALE_S + 
+cluster.timeout_s of the reader's own clock is dead or frozen, and the
+reader exits naming it, so no process waits forever on a lost one. Counters,
+not timestamps: the hosts' clocks are never compared.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from .plan import Plan, Proc, make_plan
 
 log = logging.getLogger("scaletrain")
 HEARTBEAT_S = 0.5
-STALE_S = 3.0  # a heartbeat older than this marks its rank as missing
+STALE_S = 3.0  # a counter still this long marks its rank as missing
+OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receive: no limit below hours
 
 
 class PeerLost(RuntimeError):
@@ -75,8 +83,8 @@ class Context:
         (then `err` is not a lost peer's doing)."""
         if not self.distributed:
             return None
-        deadline = time.time() + STALE_S + 2
-        while not self.gone and time.time() < deadline:  # a dead peer's heartbeat needs a moment to age
+        deadline = time.monotonic() + STALE_S + 2
+        while not self.gone and time.monotonic() < deadline:  # a dead peer's heartbeat needs a moment to age
             time.sleep(HEARTBEAT_S)
         if not self.gone:
             return None
@@ -98,7 +106,7 @@ def single() -> Context:
 def init(cfg: Config, plan: Plan, seat) -> Context:
     """Join the job's world and make the subgroups; start heartbeat and watchdog."""
     c = cfg.cluster
-    timeout = datetime.timedelta(seconds=c.timeout_s)
+    timeout = datetime.timedelta(seconds=c.timeout_s)  # the rendezvous: every process starts at once
     loopback = seat.launcher == "local" and _is_loopback(seat.addr)
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
@@ -117,17 +125,40 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     ctx = Context(plan, plan.procs[seat.rank], c.timeout_s)
     local_backend = "nccl" if plan.procs[0].device.startswith("cuda") else "gloo"
     # Collective: every rank creates every group, in the same order.
+    groups = []
     for node in range(plan.worker_nodes):
         ranks = [p.rank for p in plan.workers if p.node == node]
         g = dist.new_group(ranks, timeout=timeout, backend=local_backend)
+        groups.append(g)
         if ctx.me.node == node and ctx.me.role == "worker" and len(ranks) > 1:
             ctx.node_group = g
     g = dist.new_group([p.rank for p in plan.workers], timeout=timeout, backend=local_backend)
+    groups.append(g)
     if ctx.me.role == "worker" and len(plan.workers) > 1:
         ctx.workers_group = g
+    # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.
+    for g in [None] + [g for g in groups if not dist.distributed_c10d._rank_not_in_group(g)]:
+        dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, g)
     ctx._thread = threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat")
     ctx._thread.start()
     return ctx
+
+
+def wait(work) -> None:
+    """Wait for a point-to-point operation as long as the peer needs: gloo's sends and receives
+    keep the rendezvous timeout they were made with unless told otherwise."""
+    work.wait(OPERATION_TIMEOUT)
+
+
+def send(t, dst: int, tag: int) -> None:
+    wait(dist.isend(t, dst=dst, tag=tag))
+
+
+def recv(t, src: int | None = None, tag: int = 0) -> int:
+    """Receive into `t` (from any rank when src is None); returns the sender's rank."""
+    work = dist.irecv(t, src=src, tag=tag)
+    wait(work)
+    return work._source_rank() if src is None else src
 
 
 def _no_rendezvous(seat, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
@@ -162,31 +193,43 @@ def _rendezvous(seat, timeout: datetime.timedelta, loopback: bool):
                          master_listen_fd=sock.detach())
 
 
-def _missing(store, ctx: Context) -> list[int]:
-    """Ranks whose heartbeat is stale and which did not finish cleanly."""
-    now, out = time.time(), []
-    for r in range(ctx.plan.world_size):
-        if r != ctx.rank and not store.check([f"done/{r}"]):
-            if not store.check([f"hb/{r}"]) or now - float(store.get(f"hb/{r}")) > STALE_S:
+class _Liveness:
+    """When each peer's heartbeat counter last moved, on this process's monotonic clock."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx, self.keys = ctx, [f"hb/{r}" for r in range(ctx.plan.world_size)]
+        now = time.monotonic()
+        self.seen = {r: (None, now) for r in range(ctx.plan.world_size) if r != ctx.rank}
+
+    def missing(self, store) -> list[int]:
+        """Peers whose counter stood still for STALE_S and which did not finish cleanly."""
+        now, out = time.monotonic(), []
+        for r in self.seen:
+            value = store.add(self.keys[r], 0)  # reads the counter without waiting for the key
+            last, since = self.seen[r]
+            if value != last:
+                self.seen[r] = (value, now)
+            elif now - since > STALE_S and not store.check([f"done/{r}"]):
                 out.append(r)
-    return out
+        return out
 
 
 def _heartbeat(ctx: Context) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, started, stale_since = _store(), time.time(), None
+    store, lost_since = _store(), None
+    live = _Liveness(ctx)
     while not ctx._stop.wait(HEARTBEAT_S):
         try:
-            store.set(f"hb/{ctx.rank}", str(time.time()))
-            gone = _missing(store, ctx) if time.time() - started > STALE_S else []
+            store.add(f"hb/{ctx.rank}", 1)
+            gone = live.missing(store)
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             gone = [0]
         ctx.gone = gone
         if not gone:
-            stale_since = None
+            lost_since = None
             continue
-        stale_since = stale_since or time.time()
-        if time.time() - stale_since > ctx.timeout_s:
+        lost_since = lost_since or time.monotonic()
+        if time.monotonic() - lost_since > ctx.timeout_s:
             # The main thread may be blocked inside a collective that will
             # not return; this is the only way out within the timeout.
             names = ", ".join(ctx.describe(r) for r in gone)

@@ -1,4 +1,4 @@
-"""Step timing, throughput with uncertainty, JSONL rows, TensorBoard, progress."""
+"""The job clock (throughput with uncertainty), JSONL rows, TensorBoard, progress."""
 
 from __future__ import annotations
 
@@ -51,20 +51,68 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rate_stats(images: list[int], seconds: list[float]) -> dict[str, float]:
-    """Images/s over timed steps: overall rate, standard error of the per-step
-    rate's mean, and median absolute deviation of per-step rates (jitter)."""
-    rates = [n / s for n, s in zip(images, seconds) if s > 0]
-    if not rates:
-        return {"images_per_sec": 0.0, "images_per_sec_stderr": 0.0, "images_per_sec_mad": 0.0, "timed_windows": 0}
-    med = statistics.median(rates)
-    stderr = statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0
-    return {
-        "images_per_sec": sum(images) / sum(seconds),
-        "images_per_sec_stderr": stderr,
-        "images_per_sec_mad": statistics.median(abs(r - med) for r in rates),
-        "timed_windows": len(rates),
-    }
+class JobClock:
+    """The job's training time and throughput, on one clock: the chief's.
+
+    Progress is the images the job has applied (what the strategy's ticks
+    report), so every strategy is measured in the same unit, and a figure is of
+    the whole job rather than a sum of per-process rates. Evaluation is left
+    out of the time (pause/resume). The rate is measured from the first tick
+    past `warmup_images` to the last, over windows closed at log points: the
+    overall rate is their images over their seconds, its standard error comes
+    from the spread of the windows' rates, and the median absolute deviation
+    of those rates is the jitter.
+    """
+
+    def __init__(self, images: int, warmup_images: int) -> None:
+        self.t0, self.paused, self.pause_t = time.perf_counter(), 0.0, None
+        self.start_images, self.skip_until = images, images + warmup_images
+        self.mark = (0.0, images) if warmup_images == 0 else None  # start of the open window
+        self.windows: list[tuple[int, float, float]] = []  # (images, seconds, data-wait seconds)
+        self.wait = 0.0  # data-wait seconds in the open window
+        self.images, self.t = images, 0.0
+
+    def now(self) -> float:
+        """Training seconds so far: since the start, evaluations left out."""
+        return time.perf_counter() - self.t0 - self.paused
+
+    def pause(self) -> None:
+        self.pause_t = time.perf_counter()
+
+    def resume(self) -> None:
+        self.paused += time.perf_counter() - self.pause_t
+
+    def tick(self, images: int, close: bool) -> float | None:
+        """The job has applied `images` by now; close a window when asked (a log point).
+        Returns the closed window's rate, if one was closed."""
+        self.images, self.t = images, self.now()
+        if self.mark is None:
+            if images >= self.skip_until:
+                self.mark, self.wait = (self.t, images), 0.0
+            return None
+        if not close or self.t <= self.mark[0] or images <= self.mark[1]:
+            return None
+        n, secs = images - self.mark[1], self.t - self.mark[0]
+        self.windows.append((n, secs, self.wait))
+        self.mark, self.wait = (self.t, images), 0.0
+        return n / secs
+
+    def summary(self) -> dict[str, float]:
+        """images_per_sec with its standard error, jitter and window count; train_seconds
+        (to the last tick); images_applied (by this run, warm-up included)."""
+        out = {"train_seconds": self.t, "images_applied": self.images - self.start_images}
+        rates = [n / s for n, s, _ in self.windows]
+        if not rates:
+            return {**out, "images_per_sec": 0.0, "images_per_sec_stderr": 0.0, "images_per_sec_mad": 0.0,
+                    "timed_windows": 0, "data_wait_fraction": None}
+        med = statistics.median(rates)
+        seconds = sum(s for _, s, _ in self.windows)
+        return {**out,
+                "images_per_sec": sum(n for n, _, _ in self.windows) / seconds,
+                "images_per_sec_stderr": statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0,
+                "images_per_sec_mad": statistics.median(abs(r - med) for r in rates),
+                "timed_windows": len(rates),
+                "data_wait_fraction": sum(w for _, _, w in self.windows) / seconds}
 
 
 class Recorder:

@@ -74,14 +74,25 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor, decayed_params: list[tor
     return loss
 
 
-def lr_at(cfg, step: int, total: int) -> float:
-    """Learning rate at optimizer step `step` (0-based): a pure function of
-    the step, so a resumed run needs no scheduler state."""
+def peak_lr(cfg, update_images: int) -> float:
+    """optim.lr scaled for `update_images` images per update: linear (Goyal et al. 2017),
+    square root, or none, against optim.reference_batch."""
+    k = update_images / cfg.reference_batch
+    return cfg.lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[cfg.scale_lr]
+
+
+def lr_at(cfg, step: int, total: int, update_images: int) -> float:
+    """Learning rate at job step `step` (0-based) of `total`: a pure function of the
+    step, so a resumed run needs no scheduler state. Warm-up without scaling rises
+    linearly from 0 to lr; with scaling, from lr to the scaled lr (Goyal et al.)."""
+    peak = peak_lr(cfg, update_images)
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        if cfg.scale_lr == "none":
+            return peak * (step + 1) / cfg.warmup_steps
+        return cfg.lr + (peak - cfg.lr) * step / cfg.warmup_steps
     if cfg.schedule == "step":
-        return cfg.lr * cfg.gamma ** ((step - cfg.warmup_steps) // cfg.step_size)
+        return peak * cfg.gamma ** ((step - cfg.warmup_steps) // cfg.step_size)
     if cfg.schedule == "cosine":
         span = max(1, total - cfg.warmup_steps)
-        return 0.5 * cfg.lr * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup_steps) / span)))
-    return cfg.lr
+        return 0.5 * peak * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup_steps) / span)))
+    return peak

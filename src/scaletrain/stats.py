@@ -1,18 +1,26 @@
-"""Per-process figures gathered to the chief at the end of a distributed run.
+"""Per-process figures gathered at the end of a distributed run, and the run's summary.
 
 Each process packs its figures into one float64 vector of fixed layout and
-the world all-gathers them (one gloo collective; no pickled objects).
+the world all-gathers them (one gloo collective; no pickled objects). The
+job's throughput and time are not among them: those come from the chief's
+job clock (metrics.JobClock). What is summed here is work (images computed,
+bytes); what is listed per process is labelled so.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .ps.server import HIST_BINS
 
-FIELDS = ("is_ps", "node", "images", "timed_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
-          "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher")
+FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
+          "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher",
+          "stopped_at")
 
 
 def pack(world_size: int, **values) -> torch.Tensor:
@@ -28,6 +36,20 @@ def pack(world_size: int, **values) -> torch.Tensor:
         else:
             vec[FIELDS.index(k)] = float(v)
     return vec
+
+
+def gather(ctx, values: dict) -> list[dict]:
+    """Every process's figures (a collective over the whole world, PS included)."""
+    return gather_all(pack(ctx.plan.world_size, **values), ctx.plan.world_size)
+
+
+def job_figures(ctx, mine: dict) -> dict:
+    return summarize(gather(ctx, mine), ctx.plan.worker_nodes)
+
+
+def single_figures(mine: dict) -> dict:
+    return {"images_computed": mine["computed"],
+            "time_split_s": {k: mine[k] for k in ("compute_s", "intra_s", "comm_s")}}
 
 
 def gather_all(vec: torch.Tensor, world_size: int) -> list[dict]:
@@ -52,7 +74,7 @@ def summarize(rows: list[dict], nodes: int) -> dict:
     ps = [r for r in rows if r["is_ps"]]
     pushers = [r for r in workers if r["pusher"]]
     out = {
-        "images_per_sec": sum(r["images"] / r["timed_s"] for r in workers if r["timed_s"] > 0),
+        "images_computed": int(sum(r["computed"] for r in workers)),  # dropped gradients' images included
         "time_split_s": {k: sum(r[k] for r in workers) / len(workers) for k in ("compute_s", "intra_s", "comm_s")},
         "bytes_per_step": {
             "worker_sent": _mean(r["bytes_sent"] / max(r["steps"], 1) for r in workers),
@@ -69,7 +91,6 @@ def summarize(rows: list[dict], nodes: int) -> dict:
         n = int(hist.sum())
         mean = float((hist * torch.arange(len(hist))).sum()) / n if n else 0.0
         sizes = [r["shard_bytes"] for r in ps]
-        steps = max(r["steps"] for r in workers)
         out.update({
             "staleness_mean": mean, "staleness_p50": percentile(hist, 0.5), "staleness_p95": percentile(hist, 0.95),
             "staleness_max": int(max(r["stale_max"] for r in ps)),
@@ -78,13 +99,17 @@ def summarize(rows: list[dict], nodes: int) -> dict:
             "dropped_gradients": int(max(r["dropped"] for r in ps)),
             "shard_bytes": {"max": max(sizes), "mean": sum(sizes) / len(sizes),
                             "max_over_mean": max(sizes) * len(sizes) / sum(sizes)},
-            # PS traffic (both directions) of one node in one step
-            "ps_bytes_per_node_step": sum(r["bytes_sent"] + r["bytes_recv"] for r in pushers) / nodes / max(steps, 1),
+            # PS traffic (both directions) of one node in one of its steps (pushers step at their own pace)
+            "ps_bytes_per_node_step": sum((r["bytes_sent"] + r["bytes_recv"]) / max(r["steps"], 1)
+                                          for r in pushers) / nodes,
         })
-        out["bytes_per_step"]["ps_sent"] = _mean(r["bytes_sent"] / max(steps, 1) for r in ps)
-        out["bytes_per_step"]["ps_recv"] = _mean(r["bytes_recv"] / max(steps, 1) for r in ps)
+        # a PS's traffic per update it applied
+        out["bytes_per_step"]["ps_sent"] = _mean(r["bytes_sent"] / max(r["steps"], 1) for r in ps)
+        out["bytes_per_step"]["ps_recv"] = _mean(r["bytes_recv"] / max(r["steps"], 1) for r in ps)
+    # Per process: its own steps, and the images it computed over its own training time.
     out["per_worker"] = [{"rank": w["rank"], "node": int(w["node"]), "steps": int(w["steps"]),
-                          "images_per_sec": w["images"] / w["timed_s"] if w["timed_s"] > 0 else 0.0,
+                          "computed_images_per_sec": w["computed"] / w["own_s"] if w["own_s"] > 0 else 0.0,
+                          "stopped_at_images": int(w["stopped_at"]),
                           **({"staleness_mean": w["staleness_mean"]} if "staleness_mean" in w else {})}
                          for w in workers]
     return out
@@ -93,3 +118,26 @@ def summarize(rows: list[dict], nodes: int) -> dict:
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def write_summary(run_dir: Path, model: torch.nn.Module, fields: dict, cfg, ctx, device, job: dict,
+                  strategy_stats: dict) -> dict:
+    """The chief's model.safetensors and summary.json (each written atomically)."""
+    from safetensors.torch import save_file
+
+    from .metrics import run_info
+
+    tmp = run_dir / "model.safetensors.tmp"
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, run_dir / "model.safetensors")
+    c = cfg.cluster
+    summary = {
+        **fields, "model": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
+        "strategy": cfg.strategy.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "num_ps": c.num_ps,
+        "ps_placement": c.ps_placement, "replicas": len(ctx.plan.workers), "nodes_total": ctx.plan.nodes_total,
+        **run_info(device), **job, **strategy_stats,
+    }
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, run_dir / "summary.json")
+    return summary

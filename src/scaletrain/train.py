@@ -1,8 +1,14 @@
-"""The training loop of one process: batch -> forward/backward -> update -> metrics."""
+"""The training loop of one process: batch -> forward/backward -> strategy.step -> metrics.
+
+The loop runs until the job's target is reached (schedule.py: images whose
+gradients were applied, the same unit for every strategy), or a target
+accuracy or loss is. At agreed points every worker holds the same values and
+meets the others (`Run.point`): they evaluate their slices of the test set
+together, decide together whether to stop, and the chief checkpoints.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -12,15 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from . import checkpoint, stats
+from . import checkpoint, schedule, stats
 from .config import Config, dump_toml
-from .dist import Context, single
 from .data import Batch, DataError, build_datasets, test_loader, train_loader
-from .metrics import Progress, Recorder, rate_stats, run_info, sync
+from .dist import Context, single
+from .metrics import JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
-from .strategies import build_strategy
+from .strategies import build_strategy, images_per_update
+from .strategies.allreduce import average_
+from .strategies.base import Tick
 
 log = logging.getLogger("scaletrain")
 
@@ -49,42 +58,12 @@ def setup_process(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
-    return cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
-
-
-def evaluate(model: torch.nn.Module, loader, device: torch.device, policy: str, bad: set[str]) -> dict[str, float]:
-    model.eval()
-    loss_sum, correct, n = torch.zeros((), device=device), torch.zeros((), device=device), 0
-    with torch.no_grad():
-        for batch in loader:
-            x, y = _usable(batch, policy, bad, device)
-            if x is None:
-                continue
-            logits = model(x).float()
-            loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
-            correct += (logits.argmax(1) == y).sum()
-            n += len(y)
-    model.train()
-    if n == 0:
-        return {}
-    # .item(): host-device sync, once per evaluation.
-    return {"test_loss": loss_sum.item() / n, "test_accuracy": correct.item() / n, "test_images": n}
-
-
-def _usable(batch: Batch, policy: str, bad: set[str], device: torch.device):
-    if batch.bad:
-        if policy == "error":
-            b = batch.bad[0]
-            raise DataError(f"{b.path}: cannot read image ({b.reason}); "
-                            "set data.on_bad_image = 'skip' to count and skip such files")
-        for b in batch.bad:
-            if b.path not in bad:
-                log.warning("skipping unreadable image %s (%s)", b.path, b.reason)
-            bad.add(b.path)
-    if len(batch.y) == 0:
-        return None, None
-    return batch.x.to(device, non_blocking=True), batch.y.to(device, non_blocking=True)
+def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
+    s = schedule.from_config(cfg, train_images)
+    if train_images < s.step_images:
+        raise RunError(f"{train_images} training images are fewer than one global batch "
+                       f"({s.step_images // cfg.data.batch_size} replicas x data.batch_size = {cfg.data.batch_size})")
+    return s
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> None:
@@ -98,9 +77,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> None:
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
           ctx: Context | None = None) -> dict[str, Any]:
     """Run the worker loop of this process; returns the summary (the chief writes it)."""
-    ctx = ctx or single()
-    chief = ctx.is_chief
-    run_dir = Path(run_dir)
+    ctx, run_dir = ctx or single(), Path(run_dir)
     if not ctx.distributed:  # a launcher checked it before starting the processes
         prepare_run_dir(run_dir, resume, cfg)
     setup_process(cfg)
@@ -108,96 +85,40 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     torch.manual_seed(cfg.train.seed)
     train_set, test_set, classes = build_datasets(cfg)
     model = build_model(cfg.model).to(device)
-    if cfg.train.channels_last and device.type == "cuda":
+    channels_last = cfg.train.channels_last and device.type == "cuda"
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt = build_optimizer(cfg.optim, model.parameters())
-    global_batch = cfg.data.batch_size * len(ctx.plan.workers)
-    per_epoch = len(train_set) // global_batch
-    if per_epoch == 0:
-        raise RunError(f"{len(train_set)} training images are fewer than one global batch "
-                       f"({len(ctx.plan.workers)} replicas x data.batch_size = {cfg.data.batch_size})")
-    total = total_steps(cfg, per_epoch)
-
-    start, best, bad, resumed_from, state = 0, None, set(), None, None
-    if resume:
-        found = checkpoint.load_agreed(run_dir / "checkpoints", ctx.distributed)
-        if found is None:
-            log.warning("--resume: no checkpoint in %s; starting from step 0", run_dir / "checkpoints")
-        else:
-            state, path = found
-            diff = checkpoint.config_differences(state["config"], cfg.flat())
-            if diff:
-                raise RunError(f"{path} was written with another config; differing keys: "
-                               + ", ".join(f"{k} ({state['config'].get(k)!r} -> {cfg.flat().get(k)!r})" for k in diff))
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            checkpoint.set_rng_state(state["rng"])
-            start, best, bad, resumed_from = state["step"], state["best_test_accuracy"], set(state["bad"]), str(path)
-            log.info("resumed from %s at step %d", path, start)
-    if chief:
+    sched = make_schedule(cfg, len(train_set))
+    resumed = checkpoint.resume(run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
+                                sched.step_images) if resume else None
+    if ctx.is_chief:
         (run_dir / "config.toml").write_text(dump_toml(cfg))
         (run_dir / "classes.txt").write_text("\n".join(classes) + "\n")
-
-    pin = device.type == "cuda"
-    replicas = len(ctx.plan.workers)
-    loader, _ = train_loader(train_set, cfg, start, total, world=replicas, rank=ctx.me.index, pin=pin)
-    strategy = build_strategy(cfg, ctx, model, opt)
-    if state is not None:
-        strategy.restore(state)
-        del state
-    evaluation = test_loader(test_set, cfg, pin) if len(test_set) else None
+    strategy = build_strategy(cfg, ctx, model, opt, sched)
+    if resumed is not None:
+        strategy.restore(resumed.state)
+        resumed.state = None  # the model, optimizer and strategy hold it now
+    run = Run(cfg, ctx, run_dir, model, strategy, sched, device, len(train_set), test_set, resumed, progress)
+    tick = Tick(run.images0, False, run.images0 >= sched.target)
+    loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
+                             rank=ctx.me.index, pin=device.type == "cuda")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
-    wd_params = decayed(model)
-    policy, t = cfg.data.on_bad_image, cfg.train
-    rec = Recorder(run_dir, tensorboard=chief, extra={"rank": ctx.rank} if ctx.distributed else None)
-    bar = Progress(total, start, enabled=progress and chief, every=t.log_every)
+    wd_params, update_images = decayed(model), images_per_update(cfg)
     slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
-    info = run_info(device)
-
-    def save_checkpoint(step: int) -> None:
-        with strategy.latest():
-            checkpoint.save(run_dir / "checkpoints", step, {
-                "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "rng": checkpoint.rng_state(), "config": cfg.flat(), "best_test_accuracy": best,
-                "bad": sorted(bad), **strategy.snapshot()}, keep=t.keep_checkpoints)
-
-    def run_eval(step: int) -> dict[str, float]:
-        nonlocal best, eval_s
-        if evaluation is None or not chief:
-            return {}
-        t0 = time.perf_counter()
-        with strategy.latest():
-            res = evaluate(model, evaluation, device, policy, bad)
-        if res:
-            best = max(best or 0.0, res["test_accuracy"])
-            rec.row("eval", step, epoch=step / per_epoch, train_wall=t0 - t_start - eval_s, **res)
-            bar.message(f"step {step}: test accuracy {res['test_accuracy']:.4f}  loss {res['test_loss']:.4f}")
-        eval_s += time.perf_counter() - t0
-        return res
-
-    # Throughput is measured over windows between log points, with the device
-    # synchronised at each end; the first `warmup_log_steps` are left out.
-    win_images, win_seconds, win_wait, last_loss, compute_s = [], [], [], float("nan"), 0.0
-    eval_s = 0.0  # evaluation time: left out of throughput windows and of train_wall
-    t_start = time.perf_counter()
-    mark, mark_step, wait, images, loss_acc, n_loss = None, start, 0.0, 0, torch.zeros((), device=device), 0
-    it = iter(loader)
+    batches = iter(loader)
     model.train()
     try:
-        for step in range(start, total):
-            if step == start + min(t.warmup_log_steps, total - start - 1):
-                sync(device)
-                mark, mark_step, wait, images = time.perf_counter(), step, 0.0, 0
+        while not tick.stop:
             t0 = time.perf_counter()
-            batch = next(it)
-            wait += time.perf_counter() - t0
-            x, y = _usable(batch, policy, bad, device)
+            x, y = run.usable(next(batches))
+            run.clock.wait += time.perf_counter() - t0
             if x is None:
                 continue
-            if cfg.train.channels_last and device.type == "cuda":
+            if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            lr = lr_at(cfg.optim, step, total)
+            lr = lr_at(cfg.optim, sched.step_of(tick.images), sched.steps, update_images)
             t1 = time.perf_counter()
             with autocast:
                 loss = loss_fn(model(x).float(), y, wd_params, cfg.optim.weight_decay)
@@ -207,79 +128,191 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 time.sleep(slow)  # testing only: an emulated straggler
             if ctx.distributed:
                 sync(device)  # host-device sync, so compute time is not charged to communication
-            compute_s += time.perf_counter() - t1
-            strategy.step(lr)
-            images += len(y)
-            loss_acc += loss.detach()
-            n_loss += 1
-            done = step + 1
-            if done % t.log_every == 0 or done == total:
-                sync(device)  # host-device sync: the clock must see the queued work
-                now = time.perf_counter()
-                last_loss = loss_acc.item() / max(n_loss, 1)
-                row = {"epoch": done / per_epoch, "wall": now - t_start, "train_wall": now - t_start - eval_s,
-                       "loss": last_loss, "lr": lr}
-                if mark is not None and now > mark and done > mark_step:
-                    win_images.append(images)
-                    win_seconds.append(now - mark)
-                    win_wait.append(wait)
-                    row.update(images_per_sec=images / (now - mark), data_wait_fraction=wait / (now - mark))
-                    mark, mark_step, wait, images = now, done, 0.0, 0
-                rec.row("train", done, **row)
-                bar.update(done, last_loss, row.get("images_per_sec", 0.0))
-                loss_acc.zero_()
-                n_loss = 0
-            if t.eval_every and done % t.eval_every == 0 and done != total:
-                run_eval(done)
-                if mark is not None:  # the next throughput window starts after the evaluation
-                    mark, mark_step, wait, images = time.perf_counter(), done, 0.0, 0
-            if chief and t.checkpoint_every and done % t.checkpoint_every == 0 and done != total:
-                save_checkpoint(done)
-        final = run_eval(total)
-        if chief:
-            save_checkpoint(total)
+            run.compute_s += time.perf_counter() - t1
+            before, tick = tick, strategy.step(lr)
+            run.after_step(before, tick, loss.detach(), len(y), lr)
+            if tick.hold:
+                tick = run.point(tick)
         strategy.finish()  # after the last snapshot: the PS stop when every pusher has finished
     finally:
-        bar.close()
-        rec.close()
-        del it  # stops loader worker processes
+        run.close()
+        del batches  # stops loader worker processes
+    return run.summarize(tick, len(train_set), len(test_set))
 
-    rate = rate_stats(win_images, win_seconds)
-    c = strategy.counters
-    job = {}
-    if ctx.distributed:
-        rows = stats.gather_all(stats.pack(
-            ctx.plan.world_size, node=ctx.me.node, images=sum(win_images), timed_s=sum(win_seconds), bytes_sent=c.bytes_sent,
-            bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=compute_s,
-            intra_s=c.intra_s, comm_s=c.comm_s, pusher=strategy.pusher), ctx.plan.world_size)
-        job = stats.summarize(rows, cfg.cluster.nodes)
-    if not chief:
+
+class Run:
+    """What the loop reports to: the job clock, metrics rows, and the work at agreed points."""
+
+    def __init__(self, cfg, ctx, run_dir, model, strategy, sched, device, train_images, test_set, resumed,
+                 progress) -> None:
+        self.cfg, self.ctx, self.run_dir, self.model, self.strategy = cfg, ctx, run_dir, model, strategy
+        self.sched, self.device, self.chief = sched, device, ctx.is_chief
+        self.per_epoch = train_images // sched.step_images
+        self.resumed_from = str(resumed.path) if resumed else None
+        self.best, self.bad = (resumed.best, resumed.bad) if resumed else (None, set())
+        self.images0 = self.last_point = resumed.images if resumed else 0
+        self.clock = JobClock(self.images0, cfg.train.warmup_log_steps * sched.step_images)
+        self.rec = Recorder(run_dir) if self.chief else None
+        self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
+                            every=cfg.train.log_every)
+        workers = len(ctx.plan.workers)
+        self.evaluation = test_loader(test_set, cfg, device.type == "cuda", ctx.me.index, workers) \
+            if len(test_set) else None
+        self.group = ctx.workers_group  # None when this is the only worker
+        self.losses = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [since row, since point] x [sum, n]
+        self.final: dict[str, float] = {}
+        self.target: dict[str, float] = {}
+        self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
+
+    def usable(self, batch: Batch):
+        """The batch on the device, without images that could not be read (on_bad_image)."""
+        if batch.bad:
+            if self.cfg.data.on_bad_image == "error":
+                b = batch.bad[0]
+                raise DataError(f"{b.path}: cannot read image ({b.reason}); "
+                                "set data.on_bad_image = 'skip' to count and skip such files")
+            for b in batch.bad:
+                if b.path not in self.bad:
+                    log.warning("skipping unreadable image %s (%s)", b.path, b.reason)
+                self.bad.add(b.path)
+        if len(batch.y) == 0:
+            return None, None
+        return batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True)
+
+    def after_step(self, before: Tick, tick: Tick, loss: torch.Tensor, n: int, lr: float) -> None:
+        self.computed += n
+        self.losses[:, 0] += loss
+        self.losses[:, 1] += 1
+        if tick.hold or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
+            sync(self.device)  # host-device sync: the clock must see the queued work
+            rate = self.clock.tick(tick.images, close=True)
+            s, n_ = self.losses[0].tolist()  # host-device sync, at log points only
+            self.losses[0].zero_()
+            self.last_loss = s / max(n_, 1)
+            step = self.sched.step_of(tick.images)
+            row = {"images": tick.images, "epoch": self.epoch(tick.images), "wall": self.clock.now() + self.clock.paused,
+                   "train_wall": self.clock.now(), "loss": self.last_loss, "lr": lr}
+            if rate is not None:
+                row.update(images_per_sec=rate, data_wait_fraction=self.clock.windows[-1][2] / self.clock.windows[-1][1])
+            if self.rec:
+                self.rec.row("train", step, **row)
+            self.bar.update(step, self.last_loss, rate or 0.0)
+        else:
+            self.clock.tick(tick.images, close=False)
+
+    def epoch(self, images: int) -> float:
+        return images / (self.sched.step_images * self.per_epoch)
+
+    def point(self, tick: Tick) -> Tick:
+        """An agreed point: every worker is here with the same values. Evaluate, decide whether
+        the job stops (its target, or a target accuracy or loss reached), checkpoint."""
+        s, t = self.sched, self.cfg.train
+        stop = tick.stop
+        evaluate = stop or s.crossed(t.eval_every, self.last_point, tick.images)
+        save = stop or s.crossed(t.checkpoint_every, self.last_point, tick.images)
+        self.last_point = tick.images
+        job_loss = self._reduce_loss()  # collective: returns once every worker has arrived
+        at = self.clock.t  # the point is where this tick reached it
+        if evaluate:
+            self.clock.pause()  # evaluation is not training time
+            res = self._evaluate(tick, at)
+            self.clock.resume()
+            reached = (t.target_accuracy and res.get("test_accuracy", 0.0) >= t.target_accuracy) or \
+                (t.target_loss and job_loss <= t.target_loss)
+            if reached and not self.target:
+                self.target = {"time_to_target": at, "images_to_target": tick.images,
+                               "steps_to_target": s.step_of(tick.images)}
+                self.bar.message(f"step {s.step_of(tick.images)}: target reached; stopping")
+                stop = True
+        if save or stop:
+            self._checkpoint(tick)
+        return Tick(tick.images, True, stop)
+
+    def _reduce_loss(self) -> float:
+        """Mean train loss of every replica since the last agreed point."""
+        if self.group is not None:
+            dist.all_reduce(self.losses[1], group=self.group)  # collective over the workers
+        total, n = self.losses[1].tolist()
+        self.losses[1].zero_()
+        return total / n if n else math.nan
+
+    def _evaluate(self, tick: Tick, at: float) -> dict[str, float]:
+        if self.evaluation is None:
+            return {}
+        with self.strategy.latest():
+            res = evaluate(self.model, self.evaluation, self.device, self.usable, self.group,
+                           len(self.ctx.plan.workers))
+        if res:
+            self.final = res
+            self.best = max(self.best or 0.0, res["test_accuracy"])
+            step = self.sched.step_of(tick.images)
+            if self.rec:
+                self.rec.row("eval", step, images=tick.images, epoch=self.epoch(tick.images), train_wall=at, **res)
+            self.bar.message(f"step {step}: test accuracy {res['test_accuracy']:.4f}  loss {res['test_loss']:.4f}")
+        return res
+
+    def _checkpoint(self, tick: Tick) -> None:
+        """The chief takes every shard's state while the others wait, then writes it alone."""
+        with self.strategy.latest() if self.chief else nullcontext():
+            state = {"step": self.sched.step_of(tick.images), "images": tick.images,
+                     "model": self.model.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
+                     "rng": checkpoint.rng_state(), "config": self.cfg.flat(), "best_test_accuracy": self.best,
+                     "bad": sorted(self.bad), **self.strategy.snapshot()} if self.chief else None
+            if self.group is not None:
+                dist.barrier(group=self.group)  # collective: no pusher moves on before the shards' state is taken
+            if self.chief:
+                checkpoint.save(self.run_dir / "checkpoints", state["step"], state,
+                                keep=self.cfg.train.keep_checkpoints)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.rec:
+            self.rec.close()
+
+    def summarize(self, tick: Tick, train_images: int, test_images: int) -> dict[str, Any]:
+        """Gather every process's figures; the chief writes model.safetensors and summary.json."""
+        c = self.strategy.counters
+        mine = dict(node=self.ctx.me.node, computed=self.computed, own_s=self.clock.t, bytes_sent=c.bytes_sent,
+                    bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=self.compute_s,
+                    intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images)
+        job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
+        if not self.chief:
+            return {}
+        return stats.write_summary(self.run_dir, self.model, {
+            "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
+            "wall_seconds": self.clock.now() + self.clock.paused, "eval_seconds": self.clock.paused,
+            **self.clock.summary(), "images_computed": job.pop("images_computed"),
+            "final_train_loss": self.last_loss, "test_accuracy": self.final.get("test_accuracy"),
+            "test_loss": self.final.get("test_loss"), "best_test_accuracy": self.best,
+            "target_reached": bool(self.target), **self.target,
+            "skipped_images": len(self.bad), "skipped_files": sorted(self.bad)[:20],
+            "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
+            "train_images": train_images, "test_images": test_images}, self.cfg, self.ctx, self.device, job,
+            self.strategy.stats())
+
+
+def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group, workers: int) -> dict[str, float]:
+    """Test loss and accuracy over every worker's slice: each evaluates its own, the sums are
+    reduced. BatchNorm statistics are averaged over the replicas first, so all evaluate one model."""
+    if group is not None:
+        bufs = [b for b in model.buffers() if b.is_floating_point()]
+        if bufs:
+            average_(bufs, group, workers)  # collective over the workers
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, images
+    with torch.no_grad():
+        for batch in loader:
+            x, y = usable(batch)
+            if x is None:
+                continue
+            logits = model(x).float()
+            sums[0] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+            sums[1] += (logits.argmax(1) == y).sum()
+            sums[2] += len(y)
+    model.train()
+    if group is not None:
+        dist.all_reduce(sums, group=group)  # collective over the workers
+    loss, correct, n = sums.tolist()  # host-device sync, once per evaluation
+    if n == 0:
         return {}
-    from safetensors.torch import save_file
-
-    tmp = run_dir / "model.safetensors.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, run_dir / "model.safetensors")
-    wall = time.perf_counter() - t_start
-    summary = {
-        "steps": total, "epochs": total / per_epoch, "wall_seconds": wall,
-        "train_seconds": wall - eval_s, "eval_seconds": eval_s,
-        **rate,
-        "data_wait_fraction": sum(win_wait) / sum(win_seconds) if win_seconds else None,
-        "final_train_loss": last_loss,
-        "test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss"),
-        "best_test_accuracy": best,
-        "skipped_images": len(bad), "skipped_files": sorted(bad)[:20],
-        "resumed_from": resumed_from, "start_step": start,
-        "train_images": len(train_set), "test_images": len(test_set),
-        "model": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
-        "strategy": cfg.strategy.name, "nodes": cfg.cluster.nodes, "gpus_per_node": cfg.cluster.gpus_per_node,
-        "num_ps": cfg.cluster.num_ps, "ps_placement": cfg.cluster.ps_placement, "replicas": replicas,
-        "nodes_total": ctx.plan.nodes_total,
-        **info,
-        **job,
-        **strategy.stats(),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
-
+    return {"test_loss": loss / n, "test_accuracy": correct / n, "test_images": int(n)}

@@ -134,7 +134,9 @@ def train_loader(train_set, cfg, start: int, stop: int, world: int = 1, rank: in
     return make_loader(ds, sampler, d.workers, d.prefetch, pin), sampler
 
 
-def test_loader(test_set, cfg, pin: bool = False):
-    n, b = len(test_set), max(cfg.data.batch_size, 64)
-    batches = [[(i, 0) for i in range(lo, min(lo + b, n))] for lo in range(0, n, b)]
+def test_loader(test_set, cfg, pin: bool = False, rank: int = 0, world: int = 1):
+    """This worker's slice of the test set (every world-th image from `rank`): the workers
+    evaluate their slices at once and sum what they count."""
+    mine, b = list(range(rank, len(test_set), world)), max(cfg.data.batch_size, 64)
+    batches = [[(i, 0) for i in mine[lo:lo + b]] for lo in range(0, len(mine), b)]
     return make_loader(Plain(test_set), batches, cfg.data.workers, cfg.data.prefetch, pin)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, stats
 from .. import dist as sdist
+from .. import stats
 from ..cli import USER_ERRORS
 from ..config import load_config
-from ..strategies import entry, wait_for
-from ..train import RunError, total_steps, train
+from ..ps.server import run_shard
+from ..train import RunError, train
 from . import env as launch_env
 from .env import LaunchError
 
@@ -47,7 +47,7 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         return 1
     try:
         if ctx.me.role == "ps":
-            serve(cfg, ctx, run_dir, resume)
+            stats.gather(ctx, run_shard(cfg, ctx, run_dir, resume))
         else:
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
     except (RunError, *USER_ERRORS) as e:
@@ -80,36 +80,6 @@ def record(run_dir: Path, plan, seat) -> None:
         **{k: os.environ[k] for k in ("SLURMD_NODENAME", "SLURM_NODEID", "SLURM_LOCALID", "GROUP_RANK", "LOCAL_RANK")
            if k in os.environ}}) + "\n")
     os.replace(tmp, run_dir / "logs" / f"rank{seat.rank}.json")  # readers never see half a file
-
-
-def serve(cfg, ctx, run_dir: Path, resume: bool) -> None:
-    from ..ps.server import Shard
-
-    e = entry(cfg)
-    pushers = ctx.plan.leaders if e.per_node else [p.rank for p in ctx.plan.workers]
-    total = cfg.train.steps
-    if not total:  # the schedule's length comes from the epoch size; only then is the data read
-        from ..data import build_datasets
-
-        per_epoch = len(build_datasets(cfg)[0]) // (cfg.data.batch_size * len(ctx.plan.workers))
-        total = total_steps(cfg, per_epoch)
-    shard = Shard(cfg, ctx.me.index, pushers, e.server, wait_for(cfg, len(pushers)), total)
-    found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
-    if found is not None:  # the workers load the same file and check its config
-        state, path = found
-        shards = state.get("ps") or []
-        if ctx.me.index >= len(shards):
-            raise checkpoint.CheckpointError(f"{path} holds {len(shards)} parameter-server shards; "
-                                             f"this run has {cfg.cluster.num_ps}")
-        shard.load(shards[ctx.me.index])
-        logging.getLogger("scaletrain").info("PS shard %d resumed from %s at version %d", ctx.me.index, path,
-                                             shard.version)
-    shard.serve()
-    stats.gather_all(stats.pack(
-        ctx.plan.world_size, is_ps=1, node=ctx.me.node, pusher=0, steps=shard.applied, applied=shard.applied,
-        bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, dropped=shard.dropped,
-        stale_max=shard.stale_max, shard_bytes=shard.values.numel() * shard.values.element_size(),
-        hist=shard.hist, by_sender=shard.by_sender), ctx.plan.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,23 +1,31 @@
 """Messages between pushers and PS shards: tensors over torch.distributed, tagged.
 
-A push is a header [version, command] (int64) then the shard's gradient
-slice (float32); the reply is a header [shard version, dropped] then the
-shard's current values. Tags keep headers and payloads of one pair apart.
+A message to a shard is a header [version, command, 0] (int64); a PUSH
+then carries the shard's gradient slice (float32). Every PUSH and PULL is
+answered with a header [shard version, flags, images applied by the job]
+then the shard's current values. Tags keep headers and payloads apart.
 
-SNAPSHOT asks a shard for its state (the chief sends it between two of its
-steps, for a checkpoint); the reply is a header [shard version, k] then the
-values and the k optimizer-state tensors named by `optim.state_keys`, each
-the shard's size (k = 0 before the shard's first update).
+Flags of a reply: HOLD, the values are those of an agreed point (every
+pusher gets these same values, then the workers meet); DONE, the job's
+target is reached. PULL asks for the values of the agreed point without a
+gradient: a pusher sends it to the shards that answered its push before they
+reached the point another shard already announced (see ps/server.py).
+
+SNAPSHOT asks a shard for its state (the chief, at a checkpoint); the reply
+is a header [shard version, k, images] then the values and the k
+optimizer-state tensors named by `optim.state_keys`, each the shard's size
+(k = 0 before the shard's first update).
 """
 
 from __future__ import annotations
 
 import torch
 
-HEADER = 2
-PUSH, STOP, SNAPSHOT = 0, 1, 2
+HEADER = 3
+PUSH, STOP, SNAPSHOT, PULL = 0, 1, 2, 3
+HOLD, DONE = 1, 2  # reply flags (bits)
 TAG_HDR, TAG_VALS, TAG_REPLY_HDR, TAG_REPLY_VALS, TAG_SNAP = 1, 2, 3, 4, 5
 
 
-def header(version: int, command: int) -> torch.Tensor:
-    return torch.tensor([version, command], dtype=torch.int64)
+def header(a: int, b: int, c: int = 0) -> torch.Tensor:
+    return torch.tensor([a, b, c], dtype=torch.int64)

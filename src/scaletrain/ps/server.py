@@ -1,8 +1,9 @@
 """The parameter-server loop of one shard.
 
 The shard holds its slice of the parameters as one flat tensor, with the
-optimizer state for it, and a version counter (updates applied). Staleness
-of a gradient = shard version when applied - version it was computed on.
+optimizer state for it, a version counter (updates applied) and the job's
+progress: images whose gradients it applied (schedule.py). Staleness of a
+gradient = shard version when applied - version it was computed on.
 
 - sync: gradients of the current version are summed until `wait_for` of the
   still-active pushers have sent theirs (all of them; N-b with backup
@@ -12,7 +13,16 @@ of a gradient = shard version when applied - version it was computed on.
 - async: each gradient is applied as it arrives and its sender gets the
   current values back; no pusher waits for another.
 
-A SNAPSHOT request (from the chief, for a checkpoint) is answered at once
+Agreed points (evaluation, checkpoint, the target): the update that brings
+the images to a point starts a hold. Until every active pusher has been
+answered, nothing more is applied: a push that arrives meanwhile (computed
+before the point) is dropped and answered with the point's values, flagged
+HOLD, so all pushers leave with the same values. Every shard sees every
+push, so all shards reach the point at the same count. Once the target is
+reached, every push is answered DONE and applies nothing: the job stops at
+the same images whatever the strategy, and stragglers stop at their next push.
+
+A SNAPSHOT request (from the chief, at a checkpoint) is answered at once
 with the version, the values and the optimizer state; `load` puts such a
 snapshot back when a run resumes.
 """
@@ -20,13 +30,16 @@ snapshot back when a run resumes.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+
+from .. import dist
 from ..checkpoint import CheckpointError
 from ..models import build_model
 from ..optim import build_optimizer, lr_at, state_keys
+from ..schedule import Schedule
 from . import protocol as P
 from .sharding import gather, make_layout
 
@@ -35,71 +48,112 @@ HIST_BINS = 64  # staleness histogram: bins 0..62, the last holds 63 and above
 
 
 class Shard:
-    def __init__(self, cfg, index: int, pushers: list[int], mode: str, wait_for: int, total_steps: int) -> None:
+    def __init__(self, cfg, index: int, pushers: list[int], mode: str, wait_for: int, schedule: Schedule,
+                 push_images: int, update_images: int) -> None:
         torch.manual_seed(cfg.train.seed)  # the workers' initial model, bit for bit
         params = list(build_model(cfg.model).parameters())
         self.layout = make_layout([p.numel() for p in params], cfg.cluster.num_ps, cfg.cluster.sharding)
         self.values = torch.nn.Parameter(gather(params, self.layout.shards[index]).clone())
         self.optimizer = build_optimizer(cfg.optim, [self.values])
-        self.cfg, self.index, self.mode, self.wait_for, self.total = cfg, index, mode, wait_for, total_steps
+        self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
+        self.push_images, self.update_images = push_images, update_images
         self.pushers, self.active = list(pushers), set(pushers)
-        self.version = 0
+        self.version = self.images = 0
         self.hist = torch.zeros(HIST_BINS, dtype=torch.int64)
         self.stale_max, self.dropped, self.applied = 0, 0, 0
         self.by_sender = {r: [0, 0] for r in pushers}  # staleness sum and count of each pusher
         self.bytes_sent = self.bytes_recv = 0
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
+        self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
+
+    @property
+    def done(self) -> bool:
+        return self.images >= self.schedule.target
 
     def serve(self) -> None:
         hdr, grad = torch.zeros(P.HEADER, dtype=torch.int64), torch.empty_like(self.values)
         while self.active:
-            src = dist.recv(hdr, tag=P.TAG_HDR)  # point-to-point from any pusher; blocks
+            src = dist.recv(hdr, tag=P.TAG_HDR)  # point-to-point from any pusher; blocks, untimed
             version, command = int(hdr[0]), int(hdr[1])
             self.bytes_recv += P.HEADER * 8
             if command == P.STOP:
                 self.active.discard(src)
                 self._maybe_apply()
-                continue
-            if command == P.SNAPSHOT:
+                self._release()
+            elif command == P.SNAPSHOT:
                 self._send_state(src)
-                continue
-            dist.recv(grad, src=src, tag=P.TAG_VALS)
-            self.bytes_recv += grad.numel() * grad.element_size()
-            if self.mode == "async":
-                self._record(src, self.version - version)
-                self._apply(grad, step=self.version // len(self.pushers))
-                self._reply([src])
-            elif version == self.version:
-                self.acc += grad
-                self.pending.append(src)
-                self._maybe_apply()
-            else:  # computed on a version already applied: too late
-                self.dropped += 1
-                self._reply([src])
+            elif command == P.PULL:  # another shard announced a point: answer once this one is there too
+                if self.holding or self.done:
+                    self._reply([src])
+                else:
+                    self.pulls.append(src)
+            else:
+                dist.recv(grad, src=src, tag=P.TAG_VALS)
+                self.bytes_recv += grad.numel() * grad.element_size()
+                self._push(src, version, grad)
+
+    def _push(self, src: int, version: int, grad: torch.Tensor) -> None:
+        if self.holding or self.done:  # computed before the point: not applied
+            self.dropped += 1
+            self._reply([src])
+        elif self.mode == "async":
+            self._record(src, self.version - version)
+            self._apply(grad, self.push_images)
+            self._reply([src])
+        elif version == self.version:
+            self.acc += grad
+            self.pending.append(src)
+            self._maybe_apply()
+        else:  # computed on a version already applied: too late
+            self.dropped += 1
+            self._reply([src])
 
     def _maybe_apply(self) -> None:
         if self.pending and len(self.pending) >= min(self.wait_for, len(self.active)):
             for src in self.pending:
                 self._record(src, 0)
-            self._apply(self.acc / len(self.pending), step=self.version)
+            self._apply(self.acc / len(self.pending), len(self.pending) * self.push_images)
             self.acc.zero_()
             senders, self.pending = self.pending, []
             self._reply(senders)
 
-    def _apply(self, grad: torch.Tensor, step: int) -> None:
+    def _apply(self, grad: torch.Tensor, images: int) -> None:
+        s = self.schedule
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.cfg.optim, step, self.total)
+            g["lr"] = lr_at(self.cfg.optim, s.step_of(self.images), s.steps, self.update_images)
         self.values.grad = grad
         self.optimizer.step()
         self.version += 1
         self.applied += 1
+        before, self.images = self.images, self.images + images
+        if self.images >= s.next_point(before):
+            self.holding, self.answered = True, set()
+            pulls, self.pulls = self.pulls, []
+            self._reply(pulls)
 
     def _record(self, src: int, staleness: int) -> None:
         self.hist[min(staleness, HIST_BINS - 1)] += 1
         self.by_sender[src][0] += staleness
         self.by_sender[src][1] += 1
         self.stale_max = max(self.stale_max, staleness)
+
+    def _reply(self, dsts: list[int]) -> None:
+        vals = self.values.detach()
+        flags = (P.HOLD if self.holding or self.done else 0) | (P.DONE if self.done else 0)
+        for dst in dsts:
+            # The pusher posted its receives before pushing, so these do not wait on it.
+            dist.send(P.header(self.version, flags, self.images), dst=dst, tag=P.TAG_REPLY_HDR)
+            dist.send(vals, dst=dst, tag=P.TAG_REPLY_VALS)
+            self.bytes_sent += P.HEADER * 8 + vals.numel() * vals.element_size()
+        if self.holding:
+            self.answered.update(dsts)
+            self._release()
+
+    def _release(self) -> None:
+        """The hold ends once every active pusher has the point's values."""
+        if self.holding and self.answered >= self.active:
+            self.holding = False
 
     def state(self) -> list[torch.Tensor]:
         """The values, then the optimizer state tensors (none before the first update)."""
@@ -109,7 +163,7 @@ class Shard:
     def _send_state(self, dst: int) -> None:
         # Checkpoint traffic: not counted in the per-step bytes.
         tensors = self.state()
-        dist.send(P.header(self.version, len(tensors) - 1), dst=dst, tag=P.TAG_SNAP)
+        dist.send(P.header(self.version, len(tensors) - 1, self.images), dst=dst, tag=P.TAG_SNAP)
         for t in tensors:
             dist.send(t, dst=dst, tag=P.TAG_SNAP)
 
@@ -118,17 +172,40 @@ class Shard:
         values = saved["values"]
         if values.shape != self.values.shape:
             raise CheckpointError(f"the checkpoint holds {values.numel()} values for PS shard {self.index}, "
-                             f"which has {self.values.numel()}")
+                                  f"which has {self.values.numel()}")
         with torch.no_grad():
             self.values.copy_(values)
         if saved["optimizer"]:
             self.optimizer.state[self.values] = {k: v.clone() for k, v in saved["optimizer"].items()}
         self.version = saved["version"]
+        self.images = saved.get("images", self.version * self.update_images)  # older checkpoints: derived
 
-    def _reply(self, dsts: list[int]) -> None:
-        vals = self.values.detach()
-        for dst in dsts:
-            # The pusher posted its receives before pushing, so these do not wait on it.
-            dist.send(P.header(self.version, 0), dst=dst, tag=P.TAG_REPLY_HDR)
-            dist.send(vals, dst=dst, tag=P.TAG_REPLY_VALS)
-            self.bytes_sent += P.HEADER * 8 + vals.numel() * vals.element_size()
+
+def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
+    """Be PS shard `ctx.me.index` until every pusher has stopped; returns its figures."""
+    from .. import checkpoint, schedule, strategies
+
+    e = strategies.entry(cfg)
+    pushers = strategies.pushers(cfg, ctx.plan)
+    train_images = 0
+    if not cfg.train.steps:  # the run's length comes from the epoch size; only then is the data read
+        from ..data import build_datasets
+
+        train_images = len(build_datasets(cfg)[0])
+    shard = Shard(cfg, ctx.me.index, pushers, e.server, strategies.wait_for(cfg, len(pushers)),
+                  schedule.from_config(cfg, train_images), strategies.push_images(cfg),
+                  strategies.images_per_update(cfg))
+    found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
+    if found is not None:  # the workers load the same file and check its config
+        state, path = found
+        shards = state.get("ps") or []
+        if ctx.me.index >= len(shards):
+            raise CheckpointError(f"{path} holds {len(shards)} parameter-server shards; "
+                                  f"this run has {cfg.cluster.num_ps}")
+        shard.load(shards[ctx.me.index])
+        log.info("PS shard %d resumed from %s at version %d", ctx.me.index, path, shard.version)
+    shard.serve()
+    return dict(is_ps=1, node=ctx.me.node, pusher=0, steps=shard.applied, applied=shard.applied,
+                bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, dropped=shard.dropped,
+                stale_max=shard.stale_max, shard_bytes=shard.values.numel() * shard.values.element_size(),
+                hist=shard.hist, by_sender=shard.by_sender)

@@ -36,14 +36,35 @@ def entry(cfg) -> Entry:
     return REGISTRY[cfg.strategy.name]
 
 
-def build_strategy(cfg, ctx, model, optimizer) -> Strategy:
+def build_strategy(cfg, ctx, model, optimizer, schedule) -> Strategy:
     if cfg.strategy.emulate_workers:
         from .emulate import EmulatedAsync
 
-        return EmulatedAsync(cfg, ctx, model, optimizer, cfg.strategy.emulate_workers)
+        return EmulatedAsync(cfg, ctx, model, optimizer, schedule, cfg.strategy.emulate_workers)
     e = entry(cfg)
     options = {"per_node": e.per_node} if e.uses_ps else {}
-    return e.make(cfg, ctx, model, optimizer, **options)
+    return e.make(cfg, ctx, model, optimizer, schedule, **options)
+
+
+def pushers(cfg, plan) -> list[int]:
+    """Ranks that talk to the parameter servers: node leaders, or every replica."""
+    return list(plan.leaders) if entry(cfg).per_node else [p.rank for p in plan.workers]
+
+
+def push_images(cfg) -> int:
+    """Images behind one push: a node's replicas, or one replica's batch."""
+    return cfg.data.batch_size * (cfg.cluster.gpus_per_node if entry(cfg).per_node else 1)
+
+
+def images_per_update(cfg) -> int:
+    """Images whose gradients one update applies: the global batch (all-reduce, sync),
+    N-b nodes' batches (backup), one push (asynchronous modes). The learning-rate
+    scaling rule (optim.scale_lr) is in this unit, on the PS and in all-reduce alike."""
+    e, c = entry(cfg), cfg.cluster
+    if not e.uses_ps or cfg.strategy.emulate_workers:
+        return c.nodes * c.gpus_per_node * cfg.data.batch_size
+    return push_images(cfg) * (wait_for(cfg, c.nodes if e.per_node else c.nodes * c.gpus_per_node)
+                               if e.server == "sync" else 1)
 
 
 def wait_for(cfg, pushers: int) -> int:

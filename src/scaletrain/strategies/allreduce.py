@@ -2,32 +2,35 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .base import Strategy
+from .base import Strategy, Tick
 
 
-def average_(grads: list[torch.Tensor], group, size: int, counters, what: str) -> None:
-    """All-reduce the gradients of `group` into their mean, in place.
+def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what: str = "comm_s") -> None:
+    """All-reduce the tensors (gradients, or BatchNorm statistics) of `group` into their mean, in place.
 
     One flat buffer: one collective per step instead of one per tensor. Bytes
-    are counted as a ring all-reduce moves them: 2(n-1)/n of the buffer sent
-    and received by each process.
+    are counted, when counters are given, as a ring all-reduce moves them:
+    2(n-1)/n of the buffer sent and received by each process.
     """
-    flat = _flatten_dense_tensors(grads)
-    with counters.timed(what):
+    flat = _flatten_dense_tensors(tensors)
+    with counters.timed(what) if counters else nullcontext():
         dist.all_reduce(flat, group=group)  # collective; blocks until every member joins
     flat /= size
-    moved = int(2 * (size - 1) / size * flat.numel() * flat.element_size())
-    if what == "intra_s":
-        counters.intra_bytes += moved
-    else:
-        counters.bytes_sent += moved
-        counters.bytes_recv += moved
-    for g, v in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(v)
+    if counters:
+        moved = int(2 * (size - 1) / size * flat.numel() * flat.element_size())
+        if what == "intra_s":
+            counters.intra_bytes += moved
+        else:
+            counters.bytes_sent += moved
+            counters.bytes_recv += moved
+    for t, v in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(v)
 
 
 class AllReduce(Strategy):
@@ -35,9 +38,10 @@ class AllReduce(Strategy):
         super().__init__(*a, **kw)
         self.world = len(self.ctx.plan.workers)
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float) -> Tick:
         if self.ctx.workers_group is not None:
             average_(self.grads(), self.ctx.workers_group, self.world, self.counters, "comm_s")
         self.set_lr(lr)
         self.optimizer.step()
         self.counters.steps += 1
+        return self.advance(self.schedule.step_images)

@@ -2,8 +2,11 @@
 
 A strategy wraps the replica's model and optimizer. The train loop runs
 forward and backward, then calls `step(lr)`; when it returns, the replica's
-parameters hold the values to compute the next batch on. The loop never
-asks which strategy it runs.
+parameters hold the values to compute the next batch on, and the Tick says
+how far the job has come (images applied, schedule.py), whether this is an
+agreed point (every worker now holds the same values and meets the others)
+and whether the job's target is reached. The loop never asks which strategy
+it runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from ..dist import Context
+from ..schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Tick:
+    images: int   # images the job has applied so far, as this process knows it
+    hold: bool    # an agreed point: every worker holds the same values now
+    stop: bool    # the job's target is reached
 
 
 @dataclass
@@ -40,13 +51,21 @@ class Counters:
 class Strategy:
     pusher = True  # whether this process talks to other nodes itself (PS: only node leaders do)
 
-    def __init__(self, cfg, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.cfg, self.ctx, self.model, self.optimizer = cfg, ctx, model, optimizer
+    def __init__(self, cfg, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 schedule: Schedule) -> None:
+        self.cfg, self.ctx, self.model, self.optimizer, self.schedule = cfg, ctx, model, optimizer, schedule
         self.params = [p for p in model.parameters()]
         self.counters = Counters()
+        self.images = 0  # where every replica applies every update: the job's progress
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float) -> Tick:
         raise NotImplementedError
+
+    def advance(self, images: int) -> Tick:
+        """Progress of a strategy whose replicas all apply every update (all-reduce, one process)."""
+        before, self.images = self.images, self.images + images
+        return Tick(self.images, self.images >= self.schedule.next_point(before),
+                    self.images >= self.schedule.target)
 
     def finish(self) -> None:
         """Called once after the last step (e.g. to release the PS)."""
@@ -57,6 +76,7 @@ class Strategy:
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's state (every worker calls it, after loading the model)."""
+        self.images = state["images"]
 
     def latest(self):
         """Context in which the model holds the newest values (for evaluation and checkpoints)."""

@@ -19,14 +19,14 @@ from contextlib import contextmanager
 import torch
 
 from ..optim import build_optimizer
-from .base import Strategy
+from .base import Strategy, Tick
 
 HIST_BINS = 64  # staleness 0..63: enough for strategy.emulate_workers <= 64
 
 
 class EmulatedAsync(Strategy):
-    def __init__(self, cfg, ctx, model, optimizer, workers: int) -> None:
-        super().__init__(cfg, ctx, model, optimizer)
+    def __init__(self, cfg, ctx, model, optimizer, schedule, workers: int) -> None:
+        super().__init__(cfg, ctx, model, optimizer, schedule)
         self.k = workers
         self.current = [p.detach().clone() for p in self.params]  # the server's values
         self.server_opt = build_optimizer(cfg.optim, self.current)
@@ -34,7 +34,7 @@ class EmulatedAsync(Strategy):
         self.version = 0
         self.hist = [0] * HIST_BINS
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float) -> Tick:
         staleness = self.version - max(0, self.version - (self.k - 1))
         self.hist[min(staleness, HIST_BINS - 1)] += 1
         for c, g in zip(self.current, self.grads()):
@@ -46,6 +46,7 @@ class EmulatedAsync(Strategy):
         self.history.append([c.clone() for c in self.current])
         self._load(self.history[0])  # the next gradient is computed on version max(0, v - (K-1))
         self.counters.steps += 1
+        return self.advance(self.schedule.step_images)
 
     def _load(self, values: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -70,6 +71,7 @@ class EmulatedAsync(Strategy):
                              "optimizer": self.server_opt.state_dict()}}
 
     def restore(self, state: dict) -> None:
+        super().restore(state)
         e = state["emulator"]
         self.version, self.hist = e["version"], list(e["hist"])
         self.history = deque(e["history"], maxlen=self.k)

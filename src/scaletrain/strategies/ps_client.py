@@ -2,8 +2,8 @@
 
 Per step: average inside the node (unless every replica pushes on its own),
 then the pusher sends to each PS shard its slice of the gradient tagged with
-the shard version it was computed on, receives the shard's current values,
-and shares them inside the node. What the shard does with the gradient
+the shard version it was computed on, receives the shard's current values
+and the job's progress, and shares both inside the node. What the shard does with the gradient
 (wait for all nodes, for the first N-b, or apply at once) is the server's
 mode; this side is the same for all four.
 """
@@ -14,17 +14,18 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .. import dist as sdist
 from ..checkpoint import CheckpointError
 from ..optim import state_keys
 from ..ps import protocol as P
 from ..ps.sharding import gather, make_layout, scatter_
 from .allreduce import average_
-from .base import Strategy
+from .base import Strategy, Tick
 
 
 class PSClient(Strategy):
-    def __init__(self, cfg, ctx, model, optimizer, per_node: bool) -> None:
-        super().__init__(cfg, ctx, model, optimizer)
+    def __init__(self, cfg, ctx, model, optimizer, schedule, per_node: bool) -> None:
+        super().__init__(cfg, ctx, model, optimizer, schedule)
         self.per_node = per_node
         self.group = ctx.node_group if per_node else None
         self.group_size = len(ctx.node_workers()) if per_node else 1
@@ -34,41 +35,49 @@ class PSClient(Strategy):
         self.servers = [p.rank for p in ctx.plan.ps]
         self.versions = [0] * len(self.servers)
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float) -> Tick:
         grads = self.grads()
         if self.group is not None:
             average_(grads, self.group, self.group_size, self.counters, "intra_s")
+        # [images, flags]: the job's progress as the shards reported it to this node's pusher
+        info = torch.zeros(2, dtype=torch.int64, device=self.params[0].device)
         if self.pusher:
             with self.counters.timed("comm_s"):
-                self._push_pull([g.detach().cpu() for g in grads])
+                info[0], info[1] = self._push_pull([g.detach().cpu() for g in grads])
         if self.group is not None:
             flat = _flatten_dense_tensors([p.data for p in self.params])
             with self.counters.timed("intra_s"):
                 dist.broadcast(flat, src=self.leader, group=self.group)  # collective: leader's new values
+                dist.broadcast(info, src=self.leader, group=self.group)  # collective: 16 bytes
             if self.pusher:
-                self.counters.intra_bytes += flat.numel() * flat.element_size()
+                self.counters.intra_bytes += flat.numel() * flat.element_size() + 16
             for p, v in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
                 p.data.copy_(v)
         self.counters.steps += 1
+        images, flags = info.tolist()  # host-device sync on GPU (the pusher's .cpu() already was one)
+        return Tick(images, bool(flags & P.HOLD), bool(flags & P.DONE))
 
-    def _push_pull(self, grads: list[torch.Tensor]) -> None:
+    def _exchange(self, msgs: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Send (shard, header, payload) messages and receive each shard's reply into the
+        parameters; returns the reply headers."""
         replies, works = [], []
-        for k, server in enumerate(self.servers):
-            n = self.layout.numel(k)
-            hdr, vals = torch.zeros(P.HEADER, dtype=torch.int64), torch.empty(n)
+        for k, hdr_out, payload in msgs:
+            server = self.servers[k]
+            hdr, vals = torch.zeros(P.HEADER, dtype=torch.int64), torch.empty(self.layout.numel(k))
             # Post the receives first: the server answers as soon as it has applied.
             works += [dist.irecv(hdr, src=server, tag=P.TAG_REPLY_HDR),
                       dist.irecv(vals, src=server, tag=P.TAG_REPLY_VALS)]
-            replies.append((hdr, vals))
-            out = gather(grads, self.layout.shards[k])
-            works += [dist.isend(P.header(self.versions[k], P.PUSH), dst=server, tag=P.TAG_HDR),
-                      dist.isend(out, dst=server, tag=P.TAG_VALS)]
-            self.counters.bytes_sent += P.HEADER * 8 + out.numel() * out.element_size()
+            replies.append((k, hdr, vals))
+            works.append(dist.isend(hdr_out, dst=server, tag=P.TAG_HDR))
+            self.counters.bytes_sent += P.HEADER * 8
+            if payload is not None:
+                works.append(dist.isend(payload, dst=server, tag=P.TAG_VALS))
+                self.counters.bytes_sent += payload.numel() * payload.element_size()
         for w in works:
-            w.wait()  # point-to-point; returns when the shard has answered
+            sdist.wait(w)  # point-to-point; returns when the shard has answered (liveness is the heartbeats')
         device = self.params[0].device
         cpu_params = [p.detach().cpu() for p in self.params] if device.type != "cpu" else self.params
-        for k, (hdr, vals) in enumerate(replies):
+        for k, hdr, vals in replies:
             self.versions[k] = int(hdr[0])
             self.counters.bytes_recv += P.HEADER * 8 + vals.numel() * vals.element_size()
             scatter_(cpu_params, self.layout.shards[k], vals)
@@ -76,22 +85,33 @@ class PSClient(Strategy):
             with torch.no_grad():
                 for p, c in zip(self.params, cpu_params):
                     p.copy_(c, non_blocking=True)
+        return [hdr for _, hdr, _ in replies]
+
+    def _push_pull(self, grads: list[torch.Tensor]) -> tuple[int, int]:
+        """Push to every shard; returns (images applied, flags). When some shard announced an
+        agreed point and another answered before reaching it, PULL that one's point values,
+        so this node leaves the point with every shard's values of it."""
+        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH), gather(grads, self.layout.shards[k]))
+                               for k in range(len(self.servers))])
+        behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
+        if len(behind) < len(hdrs):
+            for k, h in zip(behind, self._exchange([(k, P.header(0, P.PULL), None) for k in behind])):
+                hdrs[k] = h
+        return int(hdrs[0][2]), int(hdrs[0][1])
 
     def snapshot(self) -> dict:
-        """Every shard's version, values and optimizer state. Asked between two of
-        this pusher's steps: under sync (all nodes' gradients per version) no shard
-        can pass the version this node has not pushed yet, so all shards are at the
-        same step; under backup and the asynchronous modes each shard is taken as
-        the request finds it."""
+        """Every shard's version, values, images and optimizer state. Asked at an
+        agreed point, while every other worker waits for the chief: each shard holds
+        the point's values, which every worker has too."""
         keys, shards = state_keys(self.cfg.optim), []
         for k, server in enumerate(self.servers):
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
-            dist.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
-            dist.recv(hdr, src=server, tag=P.TAG_SNAP)
+            sdist.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
+            sdist.recv(hdr, src=server, tag=P.TAG_SNAP)
             tensors = [torch.empty(self.layout.numel(k)) for _ in range(1 + int(hdr[1]))]
             for t in tensors:
-                dist.recv(t, src=server, tag=P.TAG_SNAP)
-            shards.append({"version": int(hdr[0]), "values": tensors[0],
+                sdist.recv(t, src=server, tag=P.TAG_SNAP)
+            shards.append({"version": int(hdr[0]), "images": int(hdr[2]), "values": tensors[0],
                            "optimizer": dict(zip(keys, tensors[1:]))})
         return {"ps": shards}
 
@@ -102,8 +122,9 @@ class PSClient(Strategy):
         for k, shard in enumerate(shards):
             scatter_(self.params, self.layout.shards[k], shard["values"])
         self.versions = [shard["version"] for shard in shards]
+        super().restore(state)
 
     def finish(self) -> None:
         if self.pusher:
             for server in self.servers:
-                dist.send(P.header(0, P.STOP), dst=server, tag=P.TAG_HDR)
+                sdist.send(P.header(0, P.STOP), dst=server, tag=P.TAG_HDR)

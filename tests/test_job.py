@@ -1,0 +1,174 @@
+"""Figures of the job: a global stop in images applied, one job clock, evaluation that
+scales and never kills a healthy job, targets that stop every process at one point."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scaletrain.cli import main
+from scaletrain.config import load_config
+from scaletrain import data
+from scaletrain.models import build_model
+from scaletrain.train import evaluate
+
+from conftest import RECIPES
+
+QUIET = ["data.workers=0", "train.eval_every=0", "train.log_every=5"]
+
+
+def run(tmp_path, name, *overrides):
+    """A real run through the command line; its summary, with `outside_s`: the seconds the
+    command took as the test saw them."""
+    run_dir = tmp_path / name
+    t0 = time.perf_counter()
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet"]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 0, (run_dir / "logs").exists() and [p.read_text()[-2000:] for p in
+                                                             sorted((run_dir / "logs").glob("*.log"))]
+    return {**json.loads((run_dir / "summary.json").read_text()), "outside_s": time.perf_counter() - t0}
+
+
+def cluster(nodes, gpus, ps, strategy, *more):
+    return [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}", f"cluster.num_ps={ps}",
+            f"strategy.name={strategy}", *more]
+
+
+def test_backup_and_mixed_async_leave_the_straggler_behind(tmp_path):
+    """3 nodes, node 3 slowed by 0.2 s a step: sync runs at its pace; backup (b=1) and mixed-async
+    stop when the job has applied the same images, the straggler with them."""
+    slow = [*QUIET, "train.steps=30", "train.warmup_log_steps=0", "strategy.slow_node=2",
+            "strategy.slow_delay_s=0.2"]
+    sync = run(tmp_path, "sync", *cluster(3, 1, 1, "sync"), *slow)
+    backup = run(tmp_path, "backup", *cluster(3, 1, 1, "backup", "strategy.backup_workers=1"), *slow)
+    mixed = run(tmp_path, "mixed", *cluster(3, 1, 1, "mixed-async"), *slow)
+    target = 30 * 3 * 32
+    for s in (sync, backup, mixed):
+        assert s["images_applied"] == target and s["steps"] == 30
+        assert s["images_computed"] >= target
+        # every process stopped at the same point of the job
+        assert {w["stopped_at_images"] for w in s["per_worker"]} == {target}
+    assert sync["train_seconds"] >= 30 * 0.2  # every update waits for the straggler
+    assert backup["dropped_gradients"] > 0 and backup["images_computed"] > target
+    assert backup["train_seconds"] < 0.6 * sync["train_seconds"], (backup["train_seconds"], sync["train_seconds"])
+    assert mixed["train_seconds"] < 0.6 * sync["train_seconds"], (mixed["train_seconds"], sync["train_seconds"])
+    # the fast nodes did the work: the straggler computed far fewer steps
+    steps = {w["node"]: w["steps"] for w in backup["per_worker"]}
+    assert steps[2] < 0.5 * min(steps[0], steps[1])
+
+
+@pytest.mark.parametrize("strategy, ps, more", [
+    ("allreduce", 0, []), ("sync", 1, []), ("backup", 1, ["strategy.backup_workers=1"]),
+    ("mixed-async", 1, []), ("async", 2, [])])
+def test_throughput_is_images_applied_over_job_time(tmp_path, strategy, ps, more):
+    s = run(tmp_path, strategy, *cluster(2, 2, ps, strategy, *more), *QUIET, "train.steps=24",
+            "train.warmup_log_steps=0", "train.log_every=4", "data.batch_size=16")
+    target = 24 * 4 * 16
+    assert s["images_applied"] == target, s["images_applied"]
+    assert s["images_per_sec"] * s["train_seconds"] == pytest.approx(target, rel=0.02)
+    assert s["train_seconds"] <= s["wall_seconds"] < s["outside_s"]  # the job clock is inside the command's time
+    assert s["images_computed"] >= target
+
+
+def test_long_evaluation_and_slow_steps_do_not_kill_a_healthy_job(tmp_path):
+    """timeout_s = 2, while one evaluation of the test set takes over 5 times that, and one node's
+    steps take 3 s: nobody waits in a timed call on healthy work (the PS waits in a receive
+    meanwhile, the other worker in a barrier)."""
+    s = run(tmp_path, "long", *cluster(2, 1, 1, "sync", "cluster.timeout_s=2", "strategy.slow_node=1",
+                                       "strategy.slow_delay_s=3"),
+            "data.workers=0", "model.name=resnet18", "data.image_size=256", "data.batch_size=4",
+            "train.steps=2", "train.eval_every=2")
+    assert s["eval_seconds"] > 5 * 2, s["eval_seconds"]  # one evaluation, at the end
+    assert s["test_images"] == 359 and s["steps"] == 2
+    assert (tmp_path / "long" / "model.safetensors").exists()
+
+
+def test_evaluation_over_four_replicas_equals_one(tmp_path):
+    """Each replica evaluates a quarter of the test set (BatchNorm statistics averaged first);
+    the job's figure is that of the saved model evaluated in one process."""
+    s = run(tmp_path, "four", *cluster(2, 2, 0, "allreduce"), *QUIET, "train.steps=20")
+    cfg = load_config(RECIPES / "digits.toml", ["data.workers=0"])
+    model = build_model(cfg.model)
+    model.load_state_dict(load_file(str(tmp_path / "four" / "model.safetensors")))
+    test_set = data.build_datasets(cfg)[1]
+    one = evaluate(model, data.test_loader(test_set, cfg), torch.device("cpu"), lambda b: (b.x, b.y), None, 1)
+    assert s["test_accuracy"] == one["test_accuracy"]
+    assert s["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    # and the slices were really split: a quarter of the set each
+    assert [len(data.test_loader(test_set, cfg, rank=r, world=4).batch_sampler[0]) for r in range(4)] == [64] * 4
+
+
+@pytest.mark.parametrize("strategy, ps", [("sync", 1), ("mixed-async", 1)])
+def test_target_accuracy_stops_every_process_at_one_point(tmp_path, strategy, ps):
+    s = run(tmp_path, strategy, *cluster(2, 1, ps, strategy), "data.workers=0", "train.steps=400",
+            "train.eval_every=10", "train.target_accuracy=0.5")
+    assert s["target_reached"] and s["test_accuracy"] >= 0.5
+    assert s["steps"] < 400 and s["steps_to_target"] == s["steps"] and s["steps"] % 10 == 0
+    assert {w["stopped_at_images"] for w in s["per_worker"]} == {s["images_to_target"]}
+    assert 0 < s["time_to_target"] <= s["train_seconds"]
+    rows = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert evals[-1]["step"] == s["steps"] and all(r["test_accuracy"] < 0.5 for r in evals[:-1])
+    ckpt = sorted((tmp_path / strategy / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert ckpt.name == f"ckpt-{s['steps']:08d}.pt"
+
+
+def test_target_loss_needs_evaluations(tmp_path, capsys):
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(tmp_path / "r"),
+            "--set", "train.target_loss=0.5", "--set", "train.eval_every=0"]
+    assert main(args) == 2
+    assert "set train.eval_every > 0" in capsys.readouterr().err
+
+
+def test_heartbeats_compare_no_clocks(monkeypatch):
+    """A peer is missing when its counter stands still on the reader's own clock, whatever the
+    writers' clocks say."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from scaletrain import dist as sdist
+    from scaletrain.config import ClusterConfig
+    from scaletrain.plan import make_plan
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    plan = make_plan(ClusterConfig(nodes=3), ps_required=False)
+    now = [1000.0]
+    monkeypatch.setattr(sdist.time, "monotonic", lambda: now[0])
+    live = sdist._Liveness(sdist.Context(plan, plan.procs[0]))
+    store.add("hb/1", 1)
+    store.add("hb/2", 1)
+    assert live.missing(store) == []
+    now[0] += sdist.STALE_S + 1
+    store.add("hb/1", 1)  # rank 1 beats, rank 2 does not
+    assert live.missing(store) == [2]
+    store.set("done/2", "1")  # a rank that finished cleanly is not missing
+    now[0] += sdist.STALE_S + 1
+    store.add("hb/1", 1)
+    assert live.missing(store) == []
+
+
+def test_learning_rate_scales_with_the_images_per_update():
+    from scaletrain.config import OptimConfig
+    from scaletrain.optim import lr_at
+    from scaletrain.strategies import images_per_update
+
+    lin = OptimConfig(lr=0.1, scale_lr="linear", reference_batch=32, warmup_steps=4)
+    assert [lr_at(lin, s, 100, 128) for s in range(5)] == pytest.approx([0.1, 0.175, 0.25, 0.325, 0.4])
+    sq = OptimConfig(lr=0.1, scale_lr="sqrt", reference_batch=32)
+    assert lr_at(sq, 50, 100, 128) == pytest.approx(0.2)
+    assert lr_at(OptimConfig(lr=0.1, reference_batch=32), 50, 100, 128) == pytest.approx(0.1)  # none
+
+    def per_update(*sets):
+        return images_per_update(load_config(None, ["data.batch_size=32", *sets]))
+
+    assert per_update(*cluster(4, 2, 0, "allreduce")) == 256
+    assert per_update(*cluster(4, 2, 1, "sync")) == 256
+    assert per_update(*cluster(4, 2, 1, "backup", "strategy.backup_workers=1")) == 192
+    assert per_update(*cluster(4, 2, 1, "mixed-async")) == 64
+    assert per_update(*cluster(4, 2, 1, "async")) == 32
+    assert math.isclose(per_update(), 32)
