@@ -47,11 +47,11 @@ def test_loss_adds_half_weight_decay_times_squared_weights():
 
 def test_schedules():
     c = OptimConfig(lr=1.0, warmup_steps=4, schedule="step", step_size=10, gamma=0.5)
-    assert [lr_at(c, s, 100) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(c, 13, 100) == 1.0 and lr_at(c, 14, 100) == 0.5 and lr_at(c, 24, 100) == 0.25
+    assert [lr_at(c, s, 100, 32) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(c, 13, 100, 32) == 1.0 and lr_at(c, 14, 100, 32) == 0.5 and lr_at(c, 24, 100, 32) == 0.25
     cos = OptimConfig(lr=2.0, schedule="cosine")
-    assert lr_at(cos, 0, 10) == 2.0 and lr_at(cos, 5, 10) == pytest.approx(1.0) and lr_at(cos, 10, 10) == 0.0
-    assert lr_at(OptimConfig(lr=0.3), 999, 10) == 0.3
+    assert lr_at(cos, 0, 10, 32) == 2.0 and lr_at(cos, 5, 10, 32) == pytest.approx(1.0) and lr_at(cos, 10, 10, 32) == 0.0
+    assert lr_at(OptimConfig(lr=0.3), 999, 10, 32) == 0.3
 
 
 @pytest.mark.parametrize("name,momentum", [("sgd", 0.9), ("sgd", 0.0), ("rmsprop-tf", 0.9)])
