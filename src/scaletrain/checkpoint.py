@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
+
 PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
 # Keys that may change between a run and its resumption: how long to run and
 # how often to report, not what is being computed.
@@ -23,10 +25,6 @@ RESUMABLE_CHANGES = {
     "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps",
     "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
 }
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def path_for(ckpt_dir: Path, step: int) -> Path:

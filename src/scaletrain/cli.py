@@ -10,14 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import CheckpointError
-from .config import ConfigError, field_docs, load_config
-from .data import DataError
-from .models import PretrainedError
-from .plan import PlanError, format_table, node_line
-
-# Errors the user can act on: printed as one line, never as a traceback.
-USER_ERRORS = (DataError, PretrainedError, CheckpointError)
+from .config import field_docs, load_config
+from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError
+from .plan import format_table, node_line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return (bench if args.command == "bench" else study).main(args)
     run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    from .launch.env import LaunchError
     from .train import RunError  # torch is imported only once the config is valid
 
     try:
@@ -160,7 +154,6 @@ def _slurm(args, cfg, run_dir: Path) -> int:
 
 def _train(args, cfg, run_dir: Path) -> int:
     from .launch import env as launch_env
-    from .launch.env import LaunchError
     from .train import prepare_run_dir, train
 
     progress = not args.quiet

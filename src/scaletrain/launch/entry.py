@@ -20,7 +20,7 @@ import torch
 
 from .. import checkpoint, stats
 from .. import dist as sdist
-from ..cli import USER_ERRORS
+from ..errors import USER_ERRORS
 from ..config import load_config
 from ..strategies import entry, wait_for
 from ..train import RunError, total_steps, train

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, build_config, load_config
-from .profile import ProfileError, dump_profile, load_profile
-from .setup import ModelError, check_workload
+from ..config import build_config, load_config
+from ..errors import ConfigError, GridError, ModelError, ProfileError
+from .profile import dump_profile, load_profile
+from .setup import check_workload
 
 
 def add_parsers(sub) -> None:
@@ -58,7 +59,7 @@ def calibrate_main(args) -> int:
 
 
 def predict_main(args) -> int:
-    from ..bench import GridError, cells, parse_grid
+    from ..bench import cells, parse_grid
 
     try:
         prof, _ = load_profile(args.profile)
