@@ -60,23 +60,20 @@ def cell_name(i: int, cell: dict[str, str], data: str) -> str:
 
 
 def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, Any]) -> dict[str, Any] | None:
-    """One `scaletrain train` run in OUT/cells/NAME; its summary, or None with row["error"] set.
-    The row keeps the run directory relative to OUT, so OUT can be moved."""
-    from .cli import main as cli_main
+    """One training run of the recipe with `sets` in OUT/cells/NAME; its summary, or None with
+    row["error"] set. The row keeps the run directory relative to OUT, so OUT can be moved."""
+    from .config import load_config
+    from .run import run_training
 
     run_dir = out / "cells" / name
     t0 = time.perf_counter()
+    summary = None
     try:
-        rc = cli_main(["train", "--recipe", recipe, "--run-dir", str(run_dir), "--quiet",
-                       *(a for s in sets for a in ("--set", s))])
+        summary = run_training(load_config(recipe, sets), run_dir, progress=False)
     except Exception as e:  # noqa: BLE001 - one cell's failure is its row, the others still run
-        rc = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     row.update(run_dir=f"cells/{name}", wall_seconds=time.perf_counter() - t0)
-    summary = run_dir / "summary.json"
-    if rc or not summary.exists():
-        row["error"] = f"exit status {rc}" + (f"; see {run_dir / 'logs'}" if (run_dir / "logs").exists() else "")
-        return None
-    return json.loads(summary.read_text())
+    return summary
 
 
 def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 import logging
 import sys
-import time
+from dataclasses import asdict
 from pathlib import Path
 
 from .config import field_docs, load_config
 from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError
 from .plan import format_table, node_line
+from .run import run_dir_for, run_training
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,15 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench, study
 
         return (bench if args.command == "bench" else study).main(args)
-    run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     from .train import RunError  # torch is imported only once the config is valid
 
+    run_dir = None
     try:
+        run_dir = run_dir_for(args.recipe, args.run_dir, cfg)
         if args.command == "plan":
             return _plan(args, cfg, run_dir)
         if args.command == "slurm":
             return _slurm(args, cfg, run_dir)
-        return _train(args, cfg, run_dir)
+        summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
     except (PlanError, LaunchError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
               file=sys.stderr)
         return 130
+    print(f"run dir: {run_dir}")
+    print(summary_line(summary))
+    return 0
 
 
 def _plan(args, cfg, run_dir: Path) -> int:
@@ -150,39 +154,6 @@ def _slurm(args, cfg, run_dir: Path) -> int:
         print(f"submit it with: sbatch {path}")
         return 0
     return slurm.submit(path, wait=args.wait)
-
-
-def _train(args, cfg, run_dir: Path) -> int:
-    from .launch import env as launch_env
-    from .train import prepare_run_dir, train
-
-    progress = not args.quiet
-    launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
-    if not cfg.distributed:
-        summary = train(cfg, run_dir, resume=args.resume, progress=progress)
-    else:
-        in_job = launch_env.in_torchrun() or launch_env.in_slurm_step()  # this process is one of the job's
-        if in_job and not args.run_dir:
-            raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
-        prepare_run_dir(run_dir, args.resume, cfg)
-        if in_job:
-            from .launch.entry import exit_now, run
-
-            exit_now(run(cfg, run_dir, args.resume, progress, node=args.plan_node))
-        if launch_env.in_slurm_allocation():
-            from .launch.slurm import run_job
-
-            rc = run_job(cfg, run_dir, args.resume, progress)
-        else:
-            from .launch.local import launch
-
-            rc = launch(cfg, run_dir, resume=args.resume, progress=progress)
-        if rc:
-            return rc
-        summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"run dir: {run_dir}")
-    print(summary_line(summary))
-    return 0
 
 
 def summary_line(summary: dict) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import build_config, load_config
-from ..errors import ConfigError, GridError, ModelError, ProfileError
+from ..errors import USER_ERRORS, ConfigError, GridError, LaunchError, ModelError, PlanError, ProfileError
 from .profile import dump_profile, load_profile
 from .setup import check_workload
 
@@ -51,7 +51,12 @@ def calibrate_main(args) -> int:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
         return _fail(f"config error: {e}")
-    prof, about = calibrate(cfg, steps=args.steps)
+    from ..train import RunError
+
+    try:
+        prof, about = calibrate(cfg, steps=args.steps)
+    except (PlanError, LaunchError, RunError, *USER_ERRORS) as e:  # a calibration job that could not run
+        return _fail(str(e), 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(dump_profile(prof, about))
     print(f"profile: {args.out}")
