@@ -72,6 +72,30 @@ def test_grid_and_until_parsing():
         parse_until("speed=3")
 
 
+
+@pytest.mark.parametrize("command", ["bench", "study", "predict"])
+def test_several_grid_entries_after_one_flag(command):
+    from scaletrain.cli import _parser
+
+    need = ["--recipe", DIGITS] + (["--profile", "p.toml"] if command == "predict" else [])
+    one = _parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1",
+                                "--set", "data.workers=0"])
+    two = _parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2",
+                                "--grid", "strategy.name+cluster.num_ps=a:0,b:1", "--set", "data.workers=0"])
+    assert one.grid == two.grid == ["cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1"]
+    assert one.overrides == ["data.workers=0"]  # the next flag ends the list
+
+
+def test_predict_grid_in_one_flag_predicts_every_cell(capsys):
+    common = ["predict", "--profile", str(RECIPES.parent / "profiles/study-k80.toml"),
+              "--recipe", str(RECIPES / "anp-resnet50.toml"), "--format", "json"]
+    assert main([*common, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=allreduce:0,sync:1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*common, "--grid", "cluster.nodes=1,2", "--grid", "strategy.name+cluster.num_ps=allreduce:0,sync:1"]) == 0
+    assert one == json.loads(capsys.readouterr().out)
+    assert [(r["nodes"], r["strategy"]) for r in one] == [(1, "allreduce"), (1, "sync"), (2, "allreduce"), (2, "sync")]
+
+
 class Page(HTMLParser):
     def __init__(self):
         super().__init__()

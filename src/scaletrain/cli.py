@@ -40,8 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
     b = sub.add_parser("bench", help="throughput, speedup and efficiency over a grid of configurations")
     _recipe_args(b)
-    b.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a key and its values; several --grid give every combination")
+    _grid_arg(b)
     b.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
     b.add_argument("--steps", type=int, default=40, help="measured steps (default 40)")
     b.add_argument("--out", help="output directory (default runs/bench-TIME)")
@@ -49,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also run each cell on synthetic data, to show what the input pipeline costs")
     st = sub.add_parser("study", help="train every configuration of a grid; accuracy, time and time to target")
     _recipe_args(st)
-    st.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
+    _grid_arg(st)
     st.add_argument("--until", help="epochs=E (run length), accuracy=A or loss=L (target for the time to target)")
     st.add_argument("--out", help="output directory (default runs/study-TIME)")
     rp = sub.add_parser("report", help="write report.html and report.md from bench/study/run directories")
@@ -66,6 +65,12 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (repeatable)")
+
+
+def _grid_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
+                   help="keys and their values; every combination is a cell. Several after one --grid "
+                        "(or several --grid) multiply; K1+K2=A1:A2,B1:B2 moves keys together")
 
 
 def main(argv: list[str] | None = None) -> int:

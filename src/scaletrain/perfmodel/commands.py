@@ -19,7 +19,8 @@ def add_parsers(sub) -> None:
     pr.add_argument("--profile", required=True, help="hardware profile (TOML, see profiles/)")
     pr.add_argument("--recipe", help="TOML recipe (not needed with --validate)")
     pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pr.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="as for bench")
+    pr.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
+                    help="as for bench: several KEY=VALUES after one --grid, or several --grid")
     pr.add_argument("--format", choices=("table", "json"), default="table")
     pr.add_argument("--spread", type=float, default=0.0,
                     help="coefficient of variation of replica step times (0 = equal speeds)")
