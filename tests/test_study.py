@@ -17,16 +17,17 @@ from conftest import RECIPES
 DIGITS = str(RECIPES / "digits.toml")
 
 
-def row(strategy, nodes, total, ips, se, ps=0, placement="alongside", **cell):
+def row(strategy, nodes, total, ips, se, ps=0, placement="alongside", gpus=1, **cell):
     return {"strategy": strategy, "nodes": nodes, "nodes_total": total, "num_ps": ps, "ps_placement": placement,
-            "images_per_sec": ips, "images_per_sec_stderr": se, "data": "real",
+            "gpus_per_node": gpus, "images_per_sec": ips, "images_per_sec_stderr": se, "data": "real",
             "cell": {"cluster.nodes": str(nodes), "cluster.num_ps": str(ps), **cell}}
 
 
 def test_speedup_and_efficiency_follow_the_study():
-    # The study's 4-worker figures (REFERENCE.md): efficiency counts dedicated PS nodes.
+    # The study's 4-worker figures (REFERENCE.md), against 1 node with no distribution;
+    # efficiency counts dedicated PS nodes.
     rows = figures.add_scaling([
-        row("mixed-async", 1, 1, 124.18, 1.0),
+        row("allreduce", 1, 1, 124.18, 1.0),
         row("mixed-async", 4, 7, 396.62, 2.0, ps=3, placement="dedicated"),
         row("mixed-async", 4, 4, 374.73, 2.0, ps=3),
         row("mixed-async", 4, 4, 292.22, 0.0, ps=1),
@@ -40,20 +41,57 @@ def test_speedup_and_efficiency_follow_the_study():
     assert rows[3]["speedup_stderr"] == pytest.approx(292.22 / 124.18 * math.hypot(0.0, 1.0 / 124.18))
     assert figures.setup(rows[1]) == "mixed-async, 7 nodes (4 workers + 3 dedicated PS)"
     assert figures.setup(rows[3]) == "mixed-async, 4 nodes (4 workers + 1 PS alongside)"
+    # The second figure: against mixed-async's smallest configuration (4 nodes used, the first of them).
+    assert [r["own_baseline"] for r in rows[1:]] == ["mixed-async, 4 nodes (4 workers + 3 PS alongside)"] * 3
+    assert rows[1]["speedup_own"] == pytest.approx(396.62 / 374.73) and rows[2]["speedup_own"] == 1.0
     table = figures.scaling_table(rows).splitlines()
-    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency |"
-    assert table[3] == "| mixed-async, 7 nodes (4 workers + 3 dedicated PS) | 396.6 ± 2.0 | 3.19 ± 0.03 | 0.46 |"
+    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest |"
+    assert table[2] == "| allreduce, 1 node (1 worker) (baseline) | 124.2 ± 1.0 | 1.00 ± 0.00 | 1.00 | 1.00 ± 0.00 |"
+    assert table[3] == ("| mixed-async, 7 nodes (4 workers + 3 dedicated PS) | 396.6 ± 2.0 | 3.19 ± 0.03 | 0.46 | "
+                        "1.06 ± 0.01 |")
 
 
-def test_baseline_is_the_same_strategy_and_other_keys():
+def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
+    b64 = {"data.batch_size": "64"}
     rows = figures.add_scaling([
-        row("sync", 1, 1, 100.0, 0.0, **{"data.batch_size": "32"}),
-        row("sync", 1, 1, 150.0, 0.0, **{"data.batch_size": "64"}),
-        row("allreduce", 2, 2, 500.0, 0.0, **{"data.batch_size": "64"}),
-        row("sync", 2, 2, 240.0, 0.0, **{"data.batch_size": "64"}),
+        row("allreduce", 1, 1, 100.0, 0.0, **{"data.batch_size": "32"}),
+        row("allreduce", 1, 1, 150.0, 0.0, **b64),
+        row("sync", 1, 1, 120.0, 0.0, ps=1, **b64),
+        row("sync", 2, 2, 240.0, 0.0, ps=1, **b64),
+        row("mixed-async", 2, 3, 270.0, 0.0, ps=1, placement="dedicated", **b64),
+        row("allreduce", 2, 2, 500.0, 0.0, **{"data.batch_size": "128"}),
+        row("allreduce", 1, 1, 90.0, 0.0, gpus=2, **b64),
+        row("sync", 2, 2, 144.0, 0.0, ps=1, gpus=2, **b64),
     ])
-    assert rows[3]["speedup"] == pytest.approx(1.6)  # against the batch-64 sync cell
-    assert rows[2]["speedup"] is None and rows[2]["efficiency"] is None  # no 1-node allreduce cell
+    sync1, sync2, mixed, lone, two_gpus = rows[2], rows[3], rows[4], rows[5], rows[7]
+    # A PS strategy on one node is not its own baseline: its PS's cost shows.
+    assert sync1["speedup"] == pytest.approx(0.8) and sync1["efficiency"] == pytest.approx(0.8)
+    assert sync1["baseline"] == "allreduce, 1 node (1 worker), data.batch_size=64"
+    assert sync2["speedup"] == pytest.approx(1.6) and sync2["efficiency"] == pytest.approx(0.8)
+    assert sync2["speedup_own"] == pytest.approx(2.0) and sync2["own_baseline"] == figures.setup(sync1)
+    assert mixed["speedup"] == pytest.approx(1.8) and mixed["efficiency"] == pytest.approx(0.6)
+    assert two_gpus["speedup"] == pytest.approx(1.6)  # against the node of 2 replicas, not of 1
+    assert lone["speedup"] is None and lone["efficiency"] is None and lone["baseline"] is None
+    assert lone["speedup_own"] == 1.0  # its own smallest is itself
+    table = figures.scaling_table(rows)
+    assert "| allreduce, 1 node (1 worker), data.batch_size=64 (baseline) |" in table
+    assert "| sync, 1 node (1 worker + 1 PS alongside), data.batch_size=64 | 120.0 ± 0.0 | 0.80 ± 0.00 |" in table
+
+
+def test_bench_adds_the_baseline_cells_the_grid_lacks():
+    from scaletrain.bench import baseline_cells
+
+    sync = [({"strategy.name": "sync", "cluster.num_ps": "1", "cluster.nodes": n, "optim.lr": lr}, "real")
+            for lr in ("0.1", "0.2") for n in ("1", "2")]
+    extra = baseline_cells(DIGITS, [], sync)  # once per learning rate, settings of figures.BASELINE
+    assert extra == [({"optim.lr": lr, "strategy.name": "allreduce", "cluster.nodes": "1", "cluster.num_ps": "0",
+                       "strategy.backup_workers": "0", "strategy.slow_node": "-1"}, "real") for lr in ("0.1", "0.2")]
+    with_it = [({"strategy.name": "allreduce", "cluster.num_ps": "0", "cluster.nodes": "1", "optim.lr": "0.1"},
+                "real"), *sync]
+    assert [c["optim.lr"] for c, _ in baseline_cells(DIGITS, [], with_it)] == ["0.2"]
+    # the recipe's own settings count: sync set with --set, the grid over nodes only
+    assert len(baseline_cells(DIGITS, ["strategy.name=sync", "cluster.num_ps=1"], [({"cluster.nodes": "2"}, "real")])) == 1
+    assert baseline_cells(DIGITS, [], [({"cluster.nodes": "1"}, "real"), ({"cluster.nodes": "2"}, "real")]) == []
 
 
 def test_grid_and_until_parsing():
@@ -136,6 +174,20 @@ def test_two_cell_bench_end_to_end(tmp_path):
     assert scaled[1]["efficiency"] == pytest.approx(scaled[1]["speedup"] / 2)
     page = check_report(out / "report" / "report.html")
     assert "allreduce, 2 nodes (2 workers)" in page.cells
+
+
+def test_bench_runs_the_missing_baseline_first(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "strategy.name+cluster.num_ps=sync:1",
+                 "--warmup", "2", "--steps", "8", "--out", str(out)]) == 0
+    base, sync = json.loads((out / "bench-rows.json").read_text())
+    assert base["added_baseline"] and "added_baseline" not in sync
+    assert (base["strategy"], base["nodes"], base["num_ps"], base["config"]["cluster.num_ps"]) == ("allreduce", 1, 0, 0)
+    assert sync["strategy"] == "sync" and sync["nodes_total"] == 1
+    assert sync["speedup"] == pytest.approx(sync["images_per_sec"] / base["images_per_sec"])
+    assert sync["baseline"] == "allreduce, 1 node (1 worker)" and sync["speedup_own"] == 1.0
+    table = (out / "bench.md").read_text()
+    assert "| allreduce, 1 node (1 worker) (baseline, not in the grid) |" in table
 
 
 def test_report_from_run_dirs(tmp_path, capsys):

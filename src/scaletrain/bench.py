@@ -6,8 +6,11 @@ or Slurm inside an allocation) of warm-up + measured steps, with the first
 per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
 standard error and jitter, bytes per step, staleness), then speedup and
 efficiency (figures.py) are added and the table printed and written to
-OUT/bench.md. A cell that cannot run (e.g. an impossible placement) is a row
-with its error; the others still run.
+OUT/bench.md. Speedup is against one node with no distribution
+(figures.BASELINE, every other key the same): where the grid lacks that
+cell, it runs first, once per distinct set of other keys, as a row marked
+`added_baseline`. A cell that cannot run (e.g. an impossible placement) is a
+row with its error; the others still run.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .errors import GridError
+from .errors import ConfigError, GridError
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
@@ -76,20 +79,45 @@ def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, 
     return summary
 
 
+def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str, str], str]]) \
+        -> list[tuple[dict[str, str], str]]:
+    """The baseline cells (figures.baseline_cell) that the (cell, data) plan lacks, once per data
+    kind and distinct set of other keys. A cell whose config is invalid needs none: it will not run."""
+    from .config import load_config
+
+    have, need = set(), {}
+    for cell, data in plan:
+        key = (data, tuple(sorted(figures.rest(cell).items())))
+        try:
+            cfg = load_config(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items())])
+        except ConfigError:
+            continue
+        if figures.is_baseline(cfg.flat()):
+            have.add(key)
+        else:
+            need.setdefault(key, (figures.baseline_cell(cell), data))
+    return [c for key, c in need.items() if key not in have]
+
+
 def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
         out: Path, pair_synthetic: bool = False, progress: bool = True) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     plan = [(c, d) for c in cells(grid) for d in (("real", "synthetic") if pair_synthetic else ("real",))]
+    extra = baseline_cells(recipe, overrides, plan)  # run first: a sweep cut short still has its speedups
+    plan = [(c, d, True) for c, d in extra] + [(c, d, False) for c, d in plan]
     timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", "train.eval_every=0",
               f"train.log_every={max(1, steps // 8)}"]
     rows = []
     with open(out / "bench.jsonl", "w") as fh:
-        for i, (cell, data) in enumerate(plan):
-            label = ", ".join(f"{k}={v}" for k, v in cell.items()) + ("" if data == "real" else " (synthetic data)")
+        for i, (cell, data, added) in enumerate(plan):
+            label = ("baseline: " if added else "") + ", ".join(f"{k}={v}" for k, v in cell.items()) + \
+                ("" if data == "real" else " (synthetic data)")
             print(f"[{i + 1}/{len(plan)}] {label}", flush=True)
             sets = [*overrides, *(f"{k}={v}" for k, v in cell.items()), *timing,
                     *(["data.name=synthetic"] if data == "synthetic" else [])]
             row: dict[str, Any] = {"cell": cell, "data": data, "label": label}
+            if added:
+                row["added_baseline"] = True
             s = run_cell(recipe, sets, out, cell_name(i, cell, data), row)
             if s is not None:
                 row.update({k: s.get(k) for k in KEEP})

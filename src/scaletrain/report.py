@@ -30,8 +30,8 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[di
     for d in dirs:
         if (d / "validate-rows.json").exists():  # `scaletrain predict --validate` against this bench
             predicted += json.loads((d / "validate-rows.json").read_text())["rows"]
-        if (d / "bench-rows.json").exists():
-            bench_rows += rows_of(d / "bench-rows.json")
+        if (d / "bench-rows.json").exists():  # figured again, so older outputs read as today's definitions
+            bench_rows += figures.add_scaling(rows_of(d / "bench-rows.json"))
         elif (d / "study-rows.json").exists():
             study_rows += rows_of(d / "study-rows.json")
         elif (d / "summary.json").exists():
@@ -221,9 +221,12 @@ def write_report(dirs: list[Path], out: Path) -> Path:
 
 
 DEFINITIONS = ("Throughput: images per second over all replicas, the first --warmup steps left out, ± the "
-               "standard error over log windows. Speedup: throughput over that of the 1-node configuration of "
-               "the same strategy. Efficiency: speedup over the nodes used, dedicated PS nodes included (the "
-               "study's definition).")
+               "standard error over log windows (with repeats: the mean over runs, and in brackets the standard "
+               "error across runs). Speedup (the study's): throughput over that of one node with no "
+               "distribution, the baseline row: the same replicas per node averaged by all-reduce, no PS, every "
+               "other key the same; a PS strategy on one node is measured against it too. Efficiency: speedup "
+               "over the nodes used, dedicated PS nodes included. Speedup vs own smallest: throughput over that "
+               "of the same strategy's configuration with the fewest nodes.")
 STUDY_DEFINITIONS = ("Workers (GPUs): replicas. Test accuracy: at the end (best during the run). Time: training "
                      "time (evaluations left out), or that until the target was first reached. Improvement: the "
                      "baseline's time (the first configuration with the fewest replicas) over this one's.")

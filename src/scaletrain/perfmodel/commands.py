@@ -121,7 +121,10 @@ def _recommend(args, cfg, prof) -> int:
 
 
 def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[str, Any]]:
-    """Every measured bench row with its prediction and relative error."""
+    """Every measured bench row with its prediction and relative error, and the measured and
+    predicted speedups: both against figures.BASELINE (the bench's measured baseline row, the
+    model's prediction of that baseline), so they are the same quantity."""
+    from .. import figures
     from .predict import predict
 
     out = []
@@ -129,7 +132,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
         path = d / "bench-rows.json"
         if not path.exists():
             raise ProfileError(f"{d}: no bench-rows.json (a `scaletrain bench` output directory)")
-        for row in json.loads(path.read_text()):
+        for row in figures.add_scaling(json.loads(path.read_text())):  # figured again: older outputs too
             if row.get("error") or row.get("data") not in (None, "real"):
                 continue
             nested: dict[str, dict] = {}
@@ -144,6 +147,8 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
                                                    "ps_placement", "cell", "label")},
                         "measured": measured, "predicted": pred["images_per_sec"],
                         "rel_error": pred["images_per_sec"] / measured - 1, "bottleneck": pred["bottleneck"],
+                        "measured_speedup": row["speedup"], "measured_speedup_stderr": row["speedup_stderr"],
+                        "predicted_speedup": pred["speedup"],
                         "method": pred["method"], "bench_dir": str(d)})
     return out
 
@@ -151,10 +156,14 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
 def validate_table(rows: list[dict[str, Any]]) -> str:
     from ..figures import setup
 
-    lines = ["| Setup | Measured (img/s) | Predicted (img/s) | Error | Bottleneck (predicted) |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {setup(r)} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['rel_error']:+.1%} | {r['bottleneck']} |"
-              for r in rows]
+    lines = ["| Setup | Measured (img/s) | Predicted (img/s) | Error | Speedup measured | Speedup predicted | "
+             "Bottleneck (predicted) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        measured = "-" if r.get("measured_speedup") is None else \
+            f"{r['measured_speedup']:.2f} ± {r['measured_speedup_stderr']:.2f}"
+        predicted = "-" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}"
+        lines.append(f"| {setup(r)} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['rel_error']:+.1%} | "
+                     f"{measured} | {predicted} | {r['bottleneck']} |")
     return "\n".join(lines)
 
 
