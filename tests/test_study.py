@@ -169,6 +169,7 @@ def test_two_cell_bench_end_to_end(tmp_path):
     assert [r["nodes"] for r in rows] == [1, 2] and all(r["images_per_sec"] > 0 for r in rows)
     assert all(r["config"]["train.steps"] == 19 and r["git_commit"] and r["torch_version"] for r in rows)
     assert rows[1]["timed_windows"] >= 2 and rows[1]["images_per_sec_stderr"] >= 0
+    assert not any("images_per_sec_runs" in r or "run_dirs" in r for r in rows)  # one run: as ever
     scaled = json.loads((out / "bench-rows.json").read_text())
     assert scaled[1]["speedup"] == pytest.approx(rows[1]["images_per_sec"] / rows[0]["images_per_sec"])
     assert scaled[1]["efficiency"] == pytest.approx(scaled[1]["speedup"] / 2)
@@ -188,6 +189,25 @@ def test_bench_runs_the_missing_baseline_first(tmp_path):
     assert sync["baseline"] == "allreduce, 1 node (1 worker)" and sync["speedup_own"] == 1.0
     table = (out / "bench.md").read_text()
     assert "| allreduce, 1 node (1 worker) (baseline, not in the grid) |" in table
+
+
+def test_bench_repeats_report_the_spread_across_runs(tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "optim.lr=0.05",
+                 "--warmup", "2", "--steps", "8", "--repeats", "3", "--out", str(out)]) == 0
+    (r,) = json.loads((out / "bench-rows.json").read_text())
+    runs = [json.loads((out / d / "summary.json").read_text()) for d in r["run_dirs"]]
+    assert len({*r["run_dirs"]}) == 3 and r["run_dir"] == r["run_dirs"][0]
+    assert r["images_per_sec_runs"] == [s["images_per_sec"] for s in runs]
+    assert r["images_per_sec"] == pytest.approx(sum(r["images_per_sec_runs"]) / 3)
+    ips = r["images_per_sec_runs"]
+    mean = sum(ips) / 3
+    assert r["images_per_sec_run_stderr"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in ips) / 2 / 3))
+    assert r["images_per_sec_stderr"] == pytest.approx(math.sqrt(sum(s["images_per_sec_stderr"] ** 2 for s in runs)) / 3)
+    line = (out / "bench.md").read_text().splitlines()[2]
+    assert f"{r['images_per_sec']:.1f} ± {r['images_per_sec_stderr']:.1f} (3 runs: ± {r['images_per_sec_run_stderr']:.1f})" in line
+    assert main(["bench", "--recipe", DIGITS, "--repeats", "0", "--out", str(tmp_path / "no")]) == 2
+    assert "repeats >= 1" in capsys.readouterr().err
 
 
 def test_report_from_run_dirs(tmp_path, capsys):

@@ -35,7 +35,7 @@ class CheckpointError(RuntimeError):
 
 
 class GridError(ValueError):
-    """A --grid (or --steps/--warmup) that cannot be swept; str() shows the form to write."""
+    """A --grid (or --steps/--warmup/--repeats) that cannot be swept; str() shows the form to write."""
 
 
 class UntilError(ValueError):
