@@ -134,6 +134,37 @@ def test_predict_grid_in_one_flag_predicts_every_cell(capsys):
     assert [(r["nodes"], r["strategy"]) for r in one] == [(1, "allreduce"), (1, "sync"), (2, "allreduce"), (2, "sync")]
 
 
+def test_bench_plots_are_one_panel_per_strategy_on_shared_axes(tmp_path, monkeypatch):
+    from scaletrain import plots
+
+    figs = {}
+    real_save = plots._save
+
+    def keep(fig, out, name, made, title):
+        real_save(fig, out, name, made, title)
+        figs[name] = fig
+
+    monkeypatch.setattr(plots, "_save", keep)
+    rows = figures.add_scaling([row(s, n, n, 100.0 * n ** 0.5, 1.0, ps=0 if s == "allreduce" else 1, gpus=2)
+                                for n in (1, 2, 4) for s in ("allreduce", "sync", "mixed-async")])
+    made = []
+    plots.bench_plots(rows, tmp_path, made)
+    assert [name for name, _ in made] == ["speedup.png", "throughput.png"]
+    for name, fig in figs.items():
+        axes = fig.axes
+        assert [ax.get_title().splitlines()[0] for ax in axes] == ["allreduce", "sync", "mixed-async"]
+        assert all(axes[0].get_shared_y_axes().joined(axes[0], ax) for ax in axes[1:])
+        (legend,) = fig.legends  # one legend for the figure, listing each entry once
+        assert len(legend.get_texts()) <= 2
+        assert (tmp_path / name).stat().st_size > 1000
+    speedup = figs["speedup.png"].axes
+    assert all("ideal" in [line.get_label() for line in ax.get_lines()] for ax in speedup)
+    # the PS panels draw the baseline (the 1-node all-reduce row) as a reference line
+    thr = figs["throughput.png"].axes
+    assert [any(line.get_label() == "1 node, no distribution" for line in ax.get_lines()) for ax in thr] == \
+        [False, True, True]
+
+
 class Page(HTMLParser):
     def __init__(self):
         super().__init__()
