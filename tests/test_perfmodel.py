@@ -228,6 +228,12 @@ def test_calibrate_bench_validate_report(tmp_path):
     assert len(out["rows"]) == 4
     for row in out["rows"]:
         assert row["rel_error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+    # Measured and predicted speedups are one quantity: both against the 1-node all-reduce row.
+    base = next(r for r in out["rows"] if (r["strategy"], r["nodes"]) == ("allreduce", 1))
+    assert base["measured_speedup"] == 1.0 and base["predicted_speedup"] == pytest.approx(1.0)
+    for row in out["rows"]:
+        assert row["measured_speedup"] == pytest.approx(row["measured"] / base["measured"])
+        assert row["predicted_speedup"] == pytest.approx(row["predicted"] / base["predicted"])
     assert out["median_abs_error"] == pytest.approx(statistics.median(abs(x["rel_error"]) for x in out["rows"]))
     assert (bench / "validate.md").exists()
     r = run("report", str(bench), "--out", str(tmp_path / "report"))

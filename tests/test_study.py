@@ -17,16 +17,17 @@ from conftest import RECIPES
 DIGITS = str(RECIPES / "digits.toml")
 
 
-def row(strategy, nodes, total, ips, se, ps=0, placement="alongside", **cell):
+def row(strategy, nodes, total, ips, se, ps=0, placement="alongside", gpus=1, **cell):
     return {"strategy": strategy, "nodes": nodes, "nodes_total": total, "num_ps": ps, "ps_placement": placement,
-            "images_per_sec": ips, "images_per_sec_stderr": se, "data": "real",
+            "gpus_per_node": gpus, "images_per_sec": ips, "images_per_sec_stderr": se, "data": "real",
             "cell": {"cluster.nodes": str(nodes), "cluster.num_ps": str(ps), **cell}}
 
 
 def test_speedup_and_efficiency_follow_the_study():
-    # The study's 4-worker figures (REFERENCE.md): efficiency counts dedicated PS nodes.
+    # The study's 4-worker figures (REFERENCE.md), against 1 node with no distribution;
+    # efficiency counts dedicated PS nodes.
     rows = figures.add_scaling([
-        row("mixed-async", 1, 1, 124.18, 1.0),
+        row("allreduce", 1, 1, 124.18, 1.0),
         row("mixed-async", 4, 7, 396.62, 2.0, ps=3, placement="dedicated"),
         row("mixed-async", 4, 4, 374.73, 2.0, ps=3),
         row("mixed-async", 4, 4, 292.22, 0.0, ps=1),
@@ -40,20 +41,57 @@ def test_speedup_and_efficiency_follow_the_study():
     assert rows[3]["speedup_stderr"] == pytest.approx(292.22 / 124.18 * math.hypot(0.0, 1.0 / 124.18))
     assert figures.setup(rows[1]) == "mixed-async, 7 nodes (4 workers + 3 dedicated PS)"
     assert figures.setup(rows[3]) == "mixed-async, 4 nodes (4 workers + 1 PS alongside)"
+    # The second figure: against mixed-async's smallest configuration (4 nodes used, the first of them).
+    assert [r["own_baseline"] for r in rows[1:]] == ["mixed-async, 4 nodes (4 workers + 3 PS alongside)"] * 3
+    assert rows[1]["speedup_own"] == pytest.approx(396.62 / 374.73) and rows[2]["speedup_own"] == 1.0
     table = figures.scaling_table(rows).splitlines()
-    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency |"
-    assert table[3] == "| mixed-async, 7 nodes (4 workers + 3 dedicated PS) | 396.6 ± 2.0 | 3.19 ± 0.03 | 0.46 |"
+    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest |"
+    assert table[2] == "| allreduce, 1 node (1 worker) (baseline) | 124.2 ± 1.0 | 1.00 ± 0.00 | 1.00 | 1.00 ± 0.00 |"
+    assert table[3] == ("| mixed-async, 7 nodes (4 workers + 3 dedicated PS) | 396.6 ± 2.0 | 3.19 ± 0.03 | 0.46 | "
+                        "1.06 ± 0.01 |")
 
 
-def test_baseline_is_the_same_strategy_and_other_keys():
+def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
+    b64 = {"data.batch_size": "64"}
     rows = figures.add_scaling([
-        row("sync", 1, 1, 100.0, 0.0, **{"data.batch_size": "32"}),
-        row("sync", 1, 1, 150.0, 0.0, **{"data.batch_size": "64"}),
-        row("allreduce", 2, 2, 500.0, 0.0, **{"data.batch_size": "64"}),
-        row("sync", 2, 2, 240.0, 0.0, **{"data.batch_size": "64"}),
+        row("allreduce", 1, 1, 100.0, 0.0, **{"data.batch_size": "32"}),
+        row("allreduce", 1, 1, 150.0, 0.0, **b64),
+        row("sync", 1, 1, 120.0, 0.0, ps=1, **b64),
+        row("sync", 2, 2, 240.0, 0.0, ps=1, **b64),
+        row("mixed-async", 2, 3, 270.0, 0.0, ps=1, placement="dedicated", **b64),
+        row("allreduce", 2, 2, 500.0, 0.0, **{"data.batch_size": "128"}),
+        row("allreduce", 1, 1, 90.0, 0.0, gpus=2, **b64),
+        row("sync", 2, 2, 144.0, 0.0, ps=1, gpus=2, **b64),
     ])
-    assert rows[3]["speedup"] == pytest.approx(1.6)  # against the batch-64 sync cell
-    assert rows[2]["speedup"] is None and rows[2]["efficiency"] is None  # no 1-node allreduce cell
+    sync1, sync2, mixed, lone, two_gpus = rows[2], rows[3], rows[4], rows[5], rows[7]
+    # A PS strategy on one node is not its own baseline: its PS's cost shows.
+    assert sync1["speedup"] == pytest.approx(0.8) and sync1["efficiency"] == pytest.approx(0.8)
+    assert sync1["baseline"] == "allreduce, 1 node (1 worker), data.batch_size=64"
+    assert sync2["speedup"] == pytest.approx(1.6) and sync2["efficiency"] == pytest.approx(0.8)
+    assert sync2["speedup_own"] == pytest.approx(2.0) and sync2["own_baseline"] == figures.setup(sync1)
+    assert mixed["speedup"] == pytest.approx(1.8) and mixed["efficiency"] == pytest.approx(0.6)
+    assert two_gpus["speedup"] == pytest.approx(1.6)  # against the node of 2 replicas, not of 1
+    assert lone["speedup"] is None and lone["efficiency"] is None and lone["baseline"] is None
+    assert lone["speedup_own"] == 1.0  # its own smallest is itself
+    table = figures.scaling_table(rows)
+    assert "| allreduce, 1 node (1 worker), data.batch_size=64 (baseline) |" in table
+    assert "| sync, 1 node (1 worker + 1 PS alongside), data.batch_size=64 | 120.0 ± 0.0 | 0.80 ± 0.00 |" in table
+
+
+def test_bench_adds_the_baseline_cells_the_grid_lacks():
+    from scaletrain.bench import baseline_cells
+
+    sync = [({"strategy.name": "sync", "cluster.num_ps": "1", "cluster.nodes": n, "optim.lr": lr}, "real")
+            for lr in ("0.1", "0.2") for n in ("1", "2")]
+    extra = baseline_cells(DIGITS, [], sync)  # once per learning rate, settings of figures.BASELINE
+    assert extra == [({"optim.lr": lr, "strategy.name": "allreduce", "cluster.nodes": "1", "cluster.num_ps": "0",
+                       "strategy.backup_workers": "0", "strategy.slow_node": "-1"}, "real") for lr in ("0.1", "0.2")]
+    with_it = [({"strategy.name": "allreduce", "cluster.num_ps": "0", "cluster.nodes": "1", "optim.lr": "0.1"},
+                "real"), *sync]
+    assert [c["optim.lr"] for c, _ in baseline_cells(DIGITS, [], with_it)] == ["0.2"]
+    # the recipe's own settings count: sync set with --set, the grid over nodes only
+    assert len(baseline_cells(DIGITS, ["strategy.name=sync", "cluster.num_ps=1"], [({"cluster.nodes": "2"}, "real")])) == 1
+    assert baseline_cells(DIGITS, [], [({"cluster.nodes": "1"}, "real"), ({"cluster.nodes": "2"}, "real")]) == []
 
 
 def test_grid_and_until_parsing():
@@ -70,6 +108,61 @@ def test_grid_and_until_parsing():
     assert parse_until("accuracy=0.9") == ("accuracy", 0.9)
     with pytest.raises(UntilError):
         parse_until("speed=3")
+
+
+
+@pytest.mark.parametrize("command", ["bench", "study", "predict"])
+def test_several_grid_entries_after_one_flag(command):
+    from scaletrain.cli import _parser
+
+    need = ["--recipe", DIGITS] + (["--profile", "p.toml"] if command == "predict" else [])
+    one = _parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1",
+                                "--set", "data.workers=0"])
+    two = _parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2",
+                                "--grid", "strategy.name+cluster.num_ps=a:0,b:1", "--set", "data.workers=0"])
+    assert one.grid == two.grid == ["cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1"]
+    assert one.overrides == ["data.workers=0"]  # the next flag ends the list
+
+
+def test_predict_grid_in_one_flag_predicts_every_cell(capsys):
+    common = ["predict", "--profile", str(RECIPES.parent / "profiles/study-k80.toml"),
+              "--recipe", str(RECIPES / "anp-resnet50.toml"), "--format", "json"]
+    assert main([*common, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=allreduce:0,sync:1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*common, "--grid", "cluster.nodes=1,2", "--grid", "strategy.name+cluster.num_ps=allreduce:0,sync:1"]) == 0
+    assert one == json.loads(capsys.readouterr().out)
+    assert [(r["nodes"], r["strategy"]) for r in one] == [(1, "allreduce"), (1, "sync"), (2, "allreduce"), (2, "sync")]
+
+
+def test_bench_plots_are_one_panel_per_strategy_on_shared_axes(tmp_path, monkeypatch):
+    from scaletrain import plots
+
+    figs = {}
+    real_save = plots._save
+
+    def keep(fig, out, name, made, title):
+        real_save(fig, out, name, made, title)
+        figs[name] = fig
+
+    monkeypatch.setattr(plots, "_save", keep)
+    rows = figures.add_scaling([row(s, n, n, 100.0 * n ** 0.5, 1.0, ps=0 if s == "allreduce" else 1, gpus=2)
+                                for n in (1, 2, 4) for s in ("allreduce", "sync", "mixed-async")])
+    made = []
+    plots.bench_plots(rows, tmp_path, made)
+    assert [name for name, _ in made] == ["speedup.png", "throughput.png"]
+    for name, fig in figs.items():
+        axes = fig.axes
+        assert [ax.get_title().splitlines()[0] for ax in axes] == ["allreduce", "sync", "mixed-async"]
+        assert all(axes[0].get_shared_y_axes().joined(axes[0], ax) for ax in axes[1:])
+        (legend,) = fig.legends  # one legend for the figure, listing each entry once
+        assert len(legend.get_texts()) <= 2
+        assert (tmp_path / name).stat().st_size > 1000
+    speedup = figs["speedup.png"].axes
+    assert all("ideal" in [line.get_label() for line in ax.get_lines()] for ax in speedup)
+    # the PS panels draw the baseline (the 1-node all-reduce row) as a reference line
+    thr = figs["throughput.png"].axes
+    assert [any(line.get_label() == "1 node, no distribution" for line in ax.get_lines()) for ax in thr] == \
+        [False, True, True]
 
 
 class Page(HTMLParser):
@@ -107,11 +200,45 @@ def test_two_cell_bench_end_to_end(tmp_path):
     assert [r["nodes"] for r in rows] == [1, 2] and all(r["images_per_sec"] > 0 for r in rows)
     assert all(r["config"]["train.steps"] == 19 and r["git_commit"] and r["torch_version"] for r in rows)
     assert rows[1]["timed_windows"] >= 2 and rows[1]["images_per_sec_stderr"] >= 0
+    assert not any("images_per_sec_runs" in r or "run_dirs" in r for r in rows)  # one run: as ever
     scaled = json.loads((out / "bench-rows.json").read_text())
     assert scaled[1]["speedup"] == pytest.approx(rows[1]["images_per_sec"] / rows[0]["images_per_sec"])
     assert scaled[1]["efficiency"] == pytest.approx(scaled[1]["speedup"] / 2)
     page = check_report(out / "report" / "report.html")
     assert "allreduce, 2 nodes (2 workers)" in page.cells
+
+
+def test_bench_runs_the_missing_baseline_first(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "strategy.name+cluster.num_ps=sync:1",
+                 "--warmup", "2", "--steps", "8", "--out", str(out)]) == 0
+    base, sync = json.loads((out / "bench-rows.json").read_text())
+    assert base["added_baseline"] and "added_baseline" not in sync
+    assert (base["strategy"], base["nodes"], base["num_ps"], base["config"]["cluster.num_ps"]) == ("allreduce", 1, 0, 0)
+    assert sync["strategy"] == "sync" and sync["nodes_total"] == 1
+    assert sync["speedup"] == pytest.approx(sync["images_per_sec"] / base["images_per_sec"])
+    assert sync["baseline"] == "allreduce, 1 node (1 worker)" and sync["speedup_own"] == 1.0
+    table = (out / "bench.md").read_text()
+    assert "| allreduce, 1 node (1 worker) (baseline, not in the grid) |" in table
+
+
+def test_bench_repeats_report_the_spread_across_runs(tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "optim.lr=0.05",
+                 "--warmup", "2", "--steps", "8", "--repeats", "3", "--out", str(out)]) == 0
+    (r,) = json.loads((out / "bench-rows.json").read_text())
+    runs = [json.loads((out / d / "summary.json").read_text()) for d in r["run_dirs"]]
+    assert len({*r["run_dirs"]}) == 3 and r["run_dir"] == r["run_dirs"][0]
+    assert r["images_per_sec_runs"] == [s["images_per_sec"] for s in runs]
+    assert r["images_per_sec"] == pytest.approx(sum(r["images_per_sec_runs"]) / 3)
+    ips = r["images_per_sec_runs"]
+    mean = sum(ips) / 3
+    assert r["images_per_sec_run_stderr"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in ips) / 2 / 3))
+    assert r["images_per_sec_stderr"] == pytest.approx(math.sqrt(sum(s["images_per_sec_stderr"] ** 2 for s in runs)) / 3)
+    line = (out / "bench.md").read_text().splitlines()[2]
+    assert f"{r['images_per_sec']:.1f} ± {r['images_per_sec_stderr']:.1f} (3 runs: ± {r['images_per_sec_run_stderr']:.1f})" in line
+    assert main(["bench", "--recipe", DIGITS, "--repeats", "0", "--out", str(tmp_path / "no")]) == 2
+    assert "repeats >= 1" in capsys.readouterr().err
 
 
 def test_report_from_run_dirs(tmp_path, capsys):

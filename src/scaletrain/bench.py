@@ -6,29 +6,35 @@ or Slurm inside an allocation) of warm-up + measured steps, with the first
 per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
 standard error and jitter, bytes per step, staleness), then speedup and
 efficiency (figures.py) are added and the table printed and written to
-OUT/bench.md. A cell that cannot run (e.g. an impossible placement) is a row
-with its error; the others still run.
+OUT/bench.md. Speedup is against one node with no distribution
+(figures.BASELINE, every other key the same): where the grid lacks that
+cell, it runs first, once per distinct set of other keys, as a row marked
+`added_baseline`. A cell that cannot run (e.g. an impossible placement) is a
+row with its error; the others still run. With --repeats R each cell runs R
+times back to back (OUT/cells/NAME-runJ): the row's images/s is the mean over
+runs, its standard error that of the mean of the runs' own, and
+images_per_sec_runs / images_per_sec_run_stderr (std across runs / sqrt(R))
+show how much separate runs differ, which log windows of one run cannot.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from . import figures
+from .errors import ConfigError, GridError
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
         "bytes_per_step", "staleness_mean", "staleness_p95", "staleness_max", "dropped_gradients",
         "emulated_workers", "git_commit", "host", "device", "torch_version", "python_version", "model", "parameters")
-
-
-class GridError(ValueError):
-    pass
 
 
 def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
@@ -63,40 +69,88 @@ def cell_name(i: int, cell: dict[str, str], data: str) -> str:
 
 
 def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, Any]) -> dict[str, Any] | None:
-    """One `scaletrain train` run in OUT/cells/NAME; its summary, or None with row["error"] set.
-    The row keeps the run directory relative to OUT, so OUT can be moved."""
-    from .cli import main as cli_main
+    """One training run of the recipe with `sets` in OUT/cells/NAME; its summary, or None with
+    row["error"] set. The row keeps the run directory relative to OUT, so OUT can be moved."""
+    from .config import load_config
+    from .run import run_training
 
     run_dir = out / "cells" / name
     t0 = time.perf_counter()
+    summary = None
     try:
-        rc = cli_main(["train", "--recipe", recipe, "--run-dir", str(run_dir), "--quiet",
-                       *(a for s in sets for a in ("--set", s))])
+        summary = run_training(load_config(recipe, sets), run_dir, progress=False)
     except Exception as e:  # noqa: BLE001 - one cell's failure is its row, the others still run
-        rc = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     row.update(run_dir=f"cells/{name}", wall_seconds=time.perf_counter() - t0)
-    summary = run_dir / "summary.json"
-    if rc or not summary.exists():
-        row["error"] = f"exit status {rc}" + (f"; see {run_dir / 'logs'}" if (run_dir / "logs").exists() else "")
+    return summary
+
+
+def measure(recipe: str, sets: list[str], out: Path, name: str, repeats: int,
+            row: dict[str, Any]) -> dict[str, Any] | None:
+    """run_cell `repeats` times (OUT/cells/NAME, or NAME-runJ with repeats): the first run's summary
+    with images_per_sec the mean over runs and images_per_sec_stderr the standard error of that
+    mean from the runs' own; the spread across runs goes to row. None with row["error"] set when a
+    run failed (the cell stops repeating: a mean of the runs that worked would hide it)."""
+    if repeats == 1:
+        return run_cell(recipe, sets, out, name, row)
+    runs: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for j in range(repeats):
+        part: dict[str, Any] = {}
+        runs.append((part, run_cell(recipe, sets, out, f"{name}-run{j + 1}", part)))
+        if runs[-1][1] is None:
+            break
+    row.update(run_dir=runs[0][0]["run_dir"], run_dirs=[p["run_dir"] for p, _ in runs],
+               wall_seconds=sum(p["wall_seconds"] for p, _ in runs))
+    if runs[-1][1] is None:
+        row["error"] = f"run {len(runs)} of {repeats}: {runs[-1][0]['error']}"
         return None
-    return json.loads(summary.read_text())
+    ips = [s["images_per_sec"] for _, s in runs]
+    within = [s.get("images_per_sec_stderr") or 0.0 for _, s in runs]
+    row.update(images_per_sec_runs=ips, images_per_sec_run_stderr=statistics.stdev(ips) / math.sqrt(repeats))
+    return {**runs[0][1], "images_per_sec": statistics.fmean(ips),
+            "images_per_sec_stderr": math.sqrt(sum(se * se for se in within)) / repeats}
+
+
+def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str, str], str]]) \
+        -> list[tuple[dict[str, str], str]]:
+    """The baseline cells (figures.baseline_cell) that the (cell, data) plan lacks, once per data
+    kind and distinct set of other keys. A cell whose config is invalid needs none: it will not run."""
+    from .config import load_config
+
+    have, need = set(), {}
+    for cell, data in plan:
+        key = (data, tuple(sorted(figures.rest(cell).items())))
+        try:
+            cfg = load_config(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items())])
+        except ConfigError:
+            continue
+        if figures.is_baseline(cfg.flat()):
+            have.add(key)
+        else:
+            need.setdefault(key, (figures.baseline_cell(cell), data))
+    return [c for key, c in need.items() if key not in have]
 
 
 def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
-        out: Path, pair_synthetic: bool = False, progress: bool = True) -> list[dict[str, Any]]:
+        out: Path, pair_synthetic: bool = False, progress: bool = True, repeats: int = 1) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     plan = [(c, d) for c in cells(grid) for d in (("real", "synthetic") if pair_synthetic else ("real",))]
+    extra = baseline_cells(recipe, overrides, plan)  # run first: a sweep cut short still has its speedups
+    plan = [(c, d, True) for c, d in extra] + [(c, d, False) for c, d in plan]
     timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", "train.eval_every=0",
               f"train.log_every={max(1, steps // 8)}"]
     rows = []
     with open(out / "bench.jsonl", "w") as fh:
-        for i, (cell, data) in enumerate(plan):
-            label = ", ".join(f"{k}={v}" for k, v in cell.items()) + ("" if data == "real" else " (synthetic data)")
+        for i, (cell, data, added) in enumerate(plan):
+            label = ("baseline: " if added else "") + ", ".join(f"{k}={v}" for k, v in cell.items()) + \
+                ("" if data == "real" else " (synthetic data)")
             print(f"[{i + 1}/{len(plan)}] {label}", flush=True)
             sets = [*overrides, *(f"{k}={v}" for k, v in cell.items()), *timing,
                     *(["data.name=synthetic"] if data == "synthetic" else [])]
             row: dict[str, Any] = {"cell": cell, "data": data, "label": label}
-            s = run_cell(recipe, sets, out, cell_name(i, cell, data), row)
+            if added:
+                row["added_baseline"] = True
+            s = measure(recipe, sets, out, cell_name(i, cell, data), repeats, row)
             if s is not None:
                 row.update({k: s.get(k) for k in KEEP})
                 row["config"] = _config(out / row["run_dir"])
@@ -128,12 +182,14 @@ def _config(run_dir: Path) -> dict[str, Any]:
 def main(args) -> int:
     try:
         grid = parse_grid(args.grid)
-        if args.steps < 1 or args.warmup < 0:
-            raise GridError(f"--steps {args.steps} --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
+        if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+            raise GridError(f"--steps {args.steps} --warmup {args.warmup} --repeats {args.repeats}: need "
+                            "steps >= 1, warmup >= 0 and repeats >= 1")
     except GridError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    rows = run(args.recipe, args.overrides, grid, args.warmup, args.steps, out, args.pair_synthetic)
+    rows = run(args.recipe, args.overrides, grid, args.warmup, args.steps, out, args.pair_synthetic,
+               repeats=args.repeats)
     print(f"bench: {sum(not r.get('error') for r in rows)}/{len(rows)} cells measured; rows in {out / 'bench.jsonl'}")
     return 1 if any(r.get("error") for r in rows) else 0

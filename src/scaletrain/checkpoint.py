@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
+
 log = logging.getLogger("scaletrain")
 PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
 # Keys that may change between a run and its resumption: how long to run and
@@ -27,10 +29,6 @@ RESUMABLE_CHANGES = {
     "train.target_loss",
     "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
 }
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def path_for(ckpt_dir: Path, step: int) -> Path:

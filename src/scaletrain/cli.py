@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 import logging
 import sys
-import time
+from dataclasses import asdict
 from pathlib import Path
 
-from .checkpoint import CheckpointError
-from .config import ConfigError, field_docs, load_config
-from .data import DataError
-from .models import PretrainedError
-from .plan import PlanError, format_table, node_line
-
-# Errors the user can act on: printed as one line, never as a traceback.
-USER_ERRORS = (DataError, PretrainedError, CheckpointError)
+from .config import field_docs, load_config
+from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError
+from .plan import format_table, node_line
+from .run import run_dir_for, run_training
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,16 +40,17 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
     b = sub.add_parser("bench", help="throughput, speedup and efficiency over a grid of configurations")
     _recipe_args(b)
-    b.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a key and its values; several --grid give every combination")
+    _grid_arg(b)
     b.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
     b.add_argument("--steps", type=int, default=40, help="measured steps (default 40)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs of each cell (default 1); with more, the table shows the spread across runs too")
     b.add_argument("--out", help="output directory (default runs/bench-TIME)")
     b.add_argument("--pair-synthetic", action="store_true",
                    help="also run each cell on synthetic data, to show what the input pipeline costs")
     st = sub.add_parser("study", help="train every configuration of a grid; accuracy, time and time to target")
     _recipe_args(st)
-    st.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
+    _grid_arg(st)
     st.add_argument("--until", help="epochs=E (run length), accuracy=A or loss=L (target for the time to target)")
     st.add_argument("--out", help="output directory (default runs/study-TIME)")
     rp = sub.add_parser("report", help="write report.html and report.md from bench/study/run directories")
@@ -71,6 +67,12 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (repeatable)")
+
+
+def _grid_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
+                   help="keys and their values; every combination is a cell. Several after one --grid "
+                        "(or several --grid) multiply; K1+K2=A1:A2,B1:B2 moves keys together")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench, study
 
         return (bench if args.command == "bench" else study).main(args)
-    run_dir = Path(args.run_dir or f"runs/{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    from .launch.env import LaunchError
     from .train import RunError  # torch is imported only once the config is valid
 
+    run_dir = None
     try:
+        run_dir = run_dir_for(args.recipe, args.run_dir, cfg)
         if args.command == "plan":
             return _plan(args, cfg, run_dir)
         if args.command == "slurm":
             return _slurm(args, cfg, run_dir)
-        return _train(args, cfg, run_dir)
+        summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
     except (PlanError, LaunchError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
               file=sys.stderr)
         return 130
+    print(f"run dir: {run_dir}")
+    print(summary_line(summary))
+    return 0
 
 
 def _plan(args, cfg, run_dir: Path) -> int:
@@ -156,40 +161,6 @@ def _slurm(args, cfg, run_dir: Path) -> int:
         print(f"submit it with: sbatch {path}")
         return 0
     return slurm.submit(path, wait=args.wait)
-
-
-def _train(args, cfg, run_dir: Path) -> int:
-    from .launch import env as launch_env
-    from .launch.env import LaunchError
-    from .train import prepare_run_dir, train
-
-    progress = not args.quiet
-    launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
-    if not cfg.distributed:
-        summary = train(cfg, run_dir, resume=args.resume, progress=progress)
-    else:
-        in_job = launch_env.in_torchrun() or launch_env.in_slurm_step()  # this process is one of the job's
-        if in_job and not args.run_dir:
-            raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
-        prepare_run_dir(run_dir, args.resume, cfg)
-        if in_job:
-            from .launch.entry import exit_now, run
-
-            exit_now(run(cfg, run_dir, args.resume, progress, node=args.plan_node))
-        if launch_env.in_slurm_allocation():
-            from .launch.slurm import run_job
-
-            rc = run_job(cfg, run_dir, args.resume, progress)
-        else:
-            from .launch.local import launch
-
-            rc = launch(cfg, run_dir, resume=args.resume, progress=progress)
-        if rc:
-            return rc
-        summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"run dir: {run_dir}")
-    print(summary_line(summary))
-    return 0
 
 
 def summary_line(summary: dict) -> str:

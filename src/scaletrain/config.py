@@ -17,9 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-
-class ConfigError(ValueError):
-    """A recipe or override that cannot be used; str() is one line for the user."""
+from .errors import ConfigError
 
 
 def opt(default, doc: str, *, choices=None, lo=None, hi=None):

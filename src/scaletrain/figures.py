@@ -1,9 +1,17 @@
 """The study's figures from result rows: speedup, efficiency and their uncertainty.
 
-Definitions (as the study's): speedup = throughput / throughput of the
-baseline, the 1-node configuration of the same strategy; efficiency =
-speedup / nodes used, dedicated PS nodes included. Uncertainties are standard
-errors; a ratio's relative error is the root sum of squares of its parts'.
+Definitions (the study's, used by bench, report, predict and predict --validate):
+- baseline: ONE node with NO distribution: the same replicas per node
+  (cluster.gpus_per_node), averaged inside the node by all-reduce, no PS
+  (`BASELINE`: strategy.name = allreduce, cluster.nodes = 1, cluster.num_ps = 0),
+  every other key the same (model, data, batch, ...). A PS strategy on one node
+  is measured against it too, so its PS's cost shows as a speedup below 1;
+- speedup = throughput / the baseline's throughput;
+- efficiency = speedup / nodes used, dedicated PS nodes included;
+- speedup vs own smallest (a second, labelled figure): throughput / that of the
+  same strategy's configuration with the fewest nodes, other keys the same.
+Uncertainties are standard errors; a ratio's relative error is the root sum of
+squares of its parts'.
 
 Pure functions over dicts: no torch, no files.
 """
@@ -13,20 +21,53 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Keys that may differ between a configuration and its 1-node baseline.
-SCALING_KEYS = ("cluster.nodes", "cluster.num_ps", "cluster.ps_placement", "strategy.backup_workers")
+# The baseline's settings; the rest of its config is the configuration's own.
+BASELINE: dict[str, Any] = {"strategy.name": "allreduce", "cluster.nodes": 1, "cluster.num_ps": 0,
+                            "strategy.backup_workers": 0, "strategy.slow_node": -1}
+# Keys that only say how the job is distributed: a configuration and its baseline may differ in them.
+DISTRIBUTION_KEYS = (*BASELINE, "cluster.ps_placement", "cluster.sharding", "strategy.slow_delay_s")
+# Keys that setup() already shows in words.
+_SHOWN = ("strategy.name", "cluster.nodes", "cluster.num_ps", "cluster.ps_placement")
+
+
+def baseline_cell(cell: dict[str, str]) -> dict[str, str]:
+    """The grid cell of a cell's baseline: its other keys, with the baseline's settings."""
+    return {**rest(cell), **{k: str(v) for k, v in BASELINE.items()}}
+
+
+def is_baseline(settings: dict[str, Any]) -> bool:
+    """Whether a flat config has the baseline's settings (a key it lacks counts as the baseline's)."""
+    return all(settings.get(k, v) == v for k, v in BASELINE.items())
+
+
+def _ran_baseline(row: dict[str, Any]) -> bool:
+    """Whether a result row ran the baseline: its summary fields, and its resolved config for the rest."""
+    return is_baseline({**(row.get("config") or {}), "strategy.name": row["strategy"], "cluster.nodes": row["nodes"],
+                        "cluster.num_ps": row.get("num_ps") or 0})
+
+
+def rest(cell: dict[str, str]) -> dict[str, str]:
+    """A grid cell without its distribution keys: what a configuration and its baseline share."""
+    return {k: v for k, v in cell.items() if k not in DISTRIBUTION_KEYS}
+
+
+def _same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same data kind, replicas per node and non-distribution grid keys."""
+    return (a.get("data") == b.get("data") and (a.get("gpus_per_node") or 1) == (b.get("gpus_per_node") or 1)
+            and rest(a.get("cell", {})) == rest(b.get("cell", {})))
 
 
 def baseline(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The 1-node row of the same strategy and data that differs only in the scaling keys;
-    None when the grid has none (then no speedup is claimed)."""
-    same = [r for r in rows if not r.get("error") and r["nodes"] == 1 and r["strategy"] == row["strategy"]
-            and r.get("data") == row.get("data") and _rest(r) == _rest(row)]
-    return same[0] if same else None
+    """The row of row's baseline (the first measured one); None when rows have none (then no
+    speedup is claimed)."""
+    return next((r for r in rows if not r.get("error") and _ran_baseline(r) and _same_work(r, row)), None)
 
 
-def _rest(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.get("cell", {}).items() if k not in SCALING_KEYS}
+def own_smallest(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The measured row of the same strategy and other keys with the fewest nodes used
+    (then the fewest worker nodes, then the first)."""
+    same = [r for r in rows if not r.get("error") and r["strategy"] == row["strategy"] and _same_work(r, row)]
+    return min(same, key=lambda r: (r["nodes_total"], r["nodes"])) if same else None
 
 
 def ratio(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
@@ -35,19 +76,39 @@ def ratio(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
     return r, abs(r) * math.hypot(a_se / a if a else 0.0, b_se / b if b else 0.0)
 
 
+def throughput_se(row: dict[str, Any]) -> float:
+    """A row's throughput uncertainty: the larger of the standard error within its runs and,
+    with repeats, that across them (so neither a quiet run nor a lucky pair hides the spread)."""
+    return max(row.get("images_per_sec_stderr") or 0.0, row.get("images_per_sec_run_stderr") or 0.0)
+
+
+def scaling(images_per_sec: float, se: float, base_images_per_sec: float, base_se: float,
+            nodes_total: int) -> dict[str, float]:
+    """Speedup, its standard error and efficiency of a throughput against its baseline's."""
+    s, s_se = ratio(images_per_sec, se, base_images_per_sec, base_se)
+    return {"speedup": s, "speedup_stderr": s_se, "efficiency": s / nodes_total}
+
+
 def add_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with speedup, speedup_stderr and efficiency (None where no baseline)."""
+    """Rows with speedup, speedup_stderr, efficiency and baseline (the baseline's setup), and
+    speedup_own, speedup_own_stderr and own_baseline against the same strategy's smallest
+    configuration; None where there is none."""
     out = []
     for orig in rows:
         row = dict(orig)
-        base = None if row.get("error") else baseline(row, rows)
-        if base is None or not base["images_per_sec"]:
-            row.update(speedup=None, speedup_stderr=None, efficiency=None, baseline=None)
-        else:
-            s, se = (1.0, 0.0) if base is orig else \
-                ratio(row["images_per_sec"], row.get("images_per_sec_stderr") or 0.0,
-                      base["images_per_sec"], base.get("images_per_sec_stderr") or 0.0)
-            row.update(speedup=s, speedup_stderr=se, efficiency=s / row["nodes_total"], baseline=setup(base))
+        for name, find, keys in (("baseline", baseline, ("speedup", "speedup_stderr", "efficiency")),
+                                 ("own_baseline", own_smallest, ("speedup_own", "speedup_own_stderr"))):
+            base = None if row.get("error") else find(orig, rows)
+            if base is None or not base["images_per_sec"]:
+                row.update(dict.fromkeys(keys), **{name: None})
+                continue
+            if base is orig:  # exactly 1 with no uncertainty: a row against itself
+                fig = {"speedup": 1.0, "speedup_stderr": 0.0, "efficiency": 1.0 / row["nodes_total"]}
+            else:
+                fig = scaling(row["images_per_sec"], throughput_se(row), base["images_per_sec"],
+                              throughput_se(base), row["nodes_total"])
+            row.update(dict(zip(keys, (fig["speedup"], fig["speedup_stderr"], fig["efficiency"]))),
+                       **{name: setup(base)})
         out.append(row)
     return out
 
@@ -62,20 +123,36 @@ def setup(row: dict[str, Any]) -> str:
     g = row.get("gpus_per_node") or 1
     per = f" x {g} replicas" if g > 1 else ""
     emulated = f", emulating {row['emulated_workers']} workers" if row.get("emulated_workers") else ""
-    other = "".join(f", {k}={v}" for k, v in _rest(row).items() if k != "strategy.name")  # the grid's other keys
+    other = "".join(f", {k}={v}" for k, v in row.get("cell", {}).items()  # the grid's other keys, but
+                    if k not in _SHOWN and str(BASELINE.get(k)) != v)     # not the baseline's own settings
     return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
             f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{other}{data}")
 
 
+def throughput_text(row: dict[str, Any]) -> str:
+    """'123.4 ± 1.2', and with repeats the spread across runs: '123.4 ± 1.2 (3 runs: ± 2.0)'."""
+    text = f"{row['images_per_sec']:.1f} ± {row.get('images_per_sec_stderr') or 0:.1f}"
+    runs = row.get("images_per_sec_runs") or []
+    if len(runs) > 1:
+        text += f" ({len(runs)} runs: ± {row.get('images_per_sec_run_stderr') or 0:.1f})"
+    return text
+
+
 def scaling_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: Setup | Throughput | Speedup | Efficiency (rows as given, with add_scaling)."""
-    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency |", "|---|---|---|---|"]
+    """Markdown: Setup | Throughput | Speedup | Efficiency | Speedup vs own smallest (rows as
+    given, with add_scaling). Rows that are a baseline say so; rows the bench added only to be
+    one say that too."""
+    is_base = {id(b) for r in rows if not r.get("error") for b in [baseline(r, rows)] if b is not None}
+    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest |",
+             "|---|---|---|---|---|"]
     for r in rows:
+        added = " (baseline, not in the grid)" if r.get("added_baseline") else ""
         if r.get("error"):
-            lines.append(f"| {r.get('label', '?')} | not run: {r['error']} | | |")
+            lines.append(f"| {r.get('label', '?')}{added} | not run: {r['error']} | | | |")
             continue
-        thr = f"{r['images_per_sec']:.1f} ± {r.get('images_per_sec_stderr') or 0:.1f}"
+        name = setup(r) + (added or (" (baseline)" if id(r) in is_base else ""))
         sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f} ± {r['speedup_stderr']:.2f}"
         eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
-        lines.append(f"| {setup(r)} | {thr} | {sp} | {eff} |")
+        own = "-" if r.get("speedup_own") is None else f"{r['speedup_own']:.2f} ± {r['speedup_own_stderr']:.2f}"
+        lines.append(f"| {name} | {throughput_text(r)} | {sp} | {eff} | {own} |")
     return "\n".join(lines)

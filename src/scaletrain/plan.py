@@ -24,12 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.config import ClusterConfig
+from scaletrain.errors import PlanError
 
 __all__ = ["ClusterConfig", "Plan", "PlanError", "Proc", "format_table", "make_plan"]
-
-
-class PlanError(ValueError):
-    """A cluster shape that cannot be placed; str() is one line for the user."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """`scaletrain report DIR...`: the study's tables and plots as report.md and report.html.
 
 A DIR is a bench output (bench-rows.json), a study output (study-rows.json)
-or a single run (summary.json). Plots are PNG files beside report.md; the
-HTML embeds the same PNGs, so report.html is one self-contained file.
+or a single run (summary.json). Plots (plots.py) are PNG files beside
+report.md; the HTML embeds the same PNGs, so report.html is one
+self-contained file.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import html
 import json
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 from . import figures
+from .plots import bench_plots, learning_plots, predicted_plot, staleness_plot
 
 
 def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
@@ -30,8 +31,8 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[di
     for d in dirs:
         if (d / "validate-rows.json").exists():  # `scaletrain predict --validate` against this bench
             predicted += json.loads((d / "validate-rows.json").read_text())["rows"]
-        if (d / "bench-rows.json").exists():
-            bench_rows += rows_of(d / "bench-rows.json")
+        if (d / "bench-rows.json").exists():  # figured again, so older outputs read as today's definitions
+            bench_rows += figures.add_scaling(rows_of(d / "bench-rows.json"))
         elif (d / "study-rows.json").exists():
             study_rows += rows_of(d / "study-rows.json")
         elif (d / "summary.json").exists():
@@ -43,140 +44,13 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[di
     return bench_rows, study_rows, runs, predicted
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: Path, name: str, made: list[tuple[str, str]], title: str) -> None:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
-    _plt().close(fig)
-    made.append((name, title))
-
-
-def _by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
-    groups = defaultdict(list)
-    for r in rows:
-        if not r.get("error"):
-            key = r["strategy"] + ("" if r.get("data") in (None, "real") else f" ({r['data']})")
-            groups[key].append(r)
-    return {k: sorted(v, key=lambda r: r["nodes"]) for k, v in groups.items()}
-
-
-def bench_plots(rows: list[dict], out: Path, made: list) -> None:
-    plt = _plt()
-    groups = _by_strategy(rows)
-    if not groups:
-        return
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    top = max(r["nodes_total"] for g in groups.values() for r in g)
-    ax.plot([1, top], [1, top], "k--", lw=1, label="ideal")
-    for name, g in groups.items():
-        pts = [r for r in g if r.get("speedup") is not None]
-        if pts:
-            ax.errorbar([r["nodes_total"] for r in pts], [r["speedup"] for r in pts],
-                        yerr=[r["speedup_stderr"] for r in pts], marker="o", capsize=3, label=name)
-    ax.set(xlabel="nodes used (dedicated PS nodes included)", ylabel="speedup", title="Speedup against nodes")
-    ax.legend()
-    _save(fig, out, "speedup.png", made, "Speedup against nodes, with the ideal line")
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name, g in groups.items():
-        ax.errorbar([r["nodes"] for r in g], [r["images_per_sec"] for r in g],
-                    yerr=[r.get("images_per_sec_stderr") or 0 for r in g], marker="o", capsize=3, label=name)
-    ax.set(xlabel="worker nodes", ylabel="images/s (all replicas)", title="Throughput per strategy")
-    ax.legend()
-    _save(fig, out, "throughput.png", made, "Throughput per strategy")
-
-
-def _curves(run_dir: str) -> dict[str, list[dict]]:
-    from .study import curves
-
-    return curves(Path(run_dir))
-
-
-def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
-                   target: tuple[str, float] | None = None) -> None:
-    plt = _plt()
-    rows = [r for r in rows if not r.get("error") and (Path(r["run_dir"]) / "metrics.jsonl").exists()]
-    if not rows:
-        return
-    data = [(r, _curves(r["run_dir"])) for r in rows]
-    for name, x, title in ((prefix + "loss-time.png", "t", "Train loss against training time"),
-                           (prefix + "loss-steps.png", "step", "Train loss against steps")):
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for r, c in data:
-            ax.plot([p[x] for p in c["train"]], [p["loss"] for p in c["train"]], label=figures.setup(r))
-        ax.set(xlabel="training seconds" if x == "t" else "step", ylabel="train loss", title=title)
-        ax.legend(fontsize=7)
-        _save(fig, out, name, made, title)
-    if any(c["eval"] for _, c in data):
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for r, c in data:
-            ax.plot([p["t"] for p in c["eval"]], [p["test_accuracy"] for p in c["eval"]], marker=".",
-                    label=figures.setup(r))
-        ax.set(xlabel="training seconds", ylabel="test accuracy", title="Test accuracy against time")
-        ax.legend(fontsize=7)
-        _save(fig, out, prefix + "accuracy-time.png", made, "Test accuracy against training time")
-    groups = _by_strategy([r for r in rows if r.get("test_accuracy") is not None])
-    if groups:
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for name, g in groups.items():
-            ax.plot([r["nodes"] for r in g], [r["test_accuracy"] for r in g], marker="o", label=name)
-        ax.set(xlabel="worker nodes", ylabel="final test accuracy", title="Accuracy against nodes")
-        ax.legend()
-        _save(fig, out, prefix + "accuracy-nodes.png", made, "Final test accuracy against nodes, per strategy")
-    if target and any(r.get("time_to_target") for r in rows):
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        for name, g in _by_strategy(rows).items():
-            pts = [r for r in g if r.get("time_to_target")]
-            ax.plot([r["nodes"] for r in pts], [r["time_to_target"] for r in pts], marker="o", label=name)
-        ax.set(xlabel="worker nodes", ylabel="seconds", title=f"Time to {target[0]} {target[1]:g}")
-        ax.legend()
-        _save(fig, out, prefix + "time-to-target.png", made, "Time to target against nodes")
-
-
-def predicted_plot(rows: list[dict], out: Path, made: list) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    top = 1.1 * max(max(r["measured"], r["predicted"]) for r in rows)
-    ax.plot([0, top], [0, top], "k--", lw=1, label="predicted = measured")
-    ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="0.9", label="±15%")
-    for name, g in _by_strategy(rows).items():
-        ax.plot([r["measured"] for r in g], [r["predicted"] for r in g], "o", label=name)
-    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured images/s", ylabel="predicted images/s",
-           title="Performance model against the bench")
-    ax.legend(fontsize=7)
-    _save(fig, out, "predicted-measured.png", made, "Predicted against measured throughput")
-
-
-def staleness_plot(summaries: list[dict], out: Path, made: list) -> None:
-    stale = [s for s in summaries if s.get("staleness_hist") and sum(s["staleness_hist"][1:])]
-    if not stale:
-        return
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for s in stale:
-        hist = s["staleness_hist"]
-        last = max(i for i, v in enumerate(hist) if v) + 1
-        total = sum(hist)
-        ax.plot(range(last), [v / total for v in hist[:last]], marker="o",
-                label=f"{figures.setup(s)} (mean {s['staleness_mean']:.2f})")
-    ax.set(xlabel="staleness (updates)", ylabel="fraction of gradients", title="Staleness histograms")
-    ax.legend(fontsize=7)
-    _save(fig, out, "staleness.png", made, "Staleness of applied gradients")
-
-
-def _summaries(rows: list[dict]) -> list[dict]:
+def _summaries(rows: list[dict], source: str) -> list[dict]:
     out = []
     for r in rows:
         p = Path(r.get("run_dir", "")) / "summary.json"
         if not r.get("error") and p.exists():
-            out.append({**json.loads(p.read_text()), "label": r.get("label")})
+            out.append({**json.loads(p.read_text()), "label": r.get("label"), "cell": r.get("cell", {}),
+                        "source": source})
     return out
 
 
@@ -210,7 +84,8 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                          f"Performance model (scaletrain predict --validate): median absolute error {err:.1%} "
                          f"over {len(predicted)} configurations."))
         predicted_plot(predicted, out, made)
-    staleness_plot(_summaries(bench_rows + study_rows) + runs, out, made)
+    staleness_plot(_summaries(bench_rows, "bench") + _summaries(study_rows, "study")
+                   + [{**r, "source": "run"} for r in runs], out, made)
     md = ["# scaletrain report", ""]
     for title, table, notes in sections:
         md += [f"## {title}", "", table, "", notes, ""] if notes else [f"## {title}", "", table, ""]
@@ -221,9 +96,12 @@ def write_report(dirs: list[Path], out: Path) -> Path:
 
 
 DEFINITIONS = ("Throughput: images per second over all replicas, the first --warmup steps left out, ± the "
-               "standard error over log windows. Speedup: throughput over that of the 1-node configuration of "
-               "the same strategy. Efficiency: speedup over the nodes used, dedicated PS nodes included (the "
-               "study's definition).")
+               "standard error over log windows (with repeats: the mean over runs, and in brackets the standard "
+               "error across runs). Speedup (the study's): throughput over that of one node with no "
+               "distribution, the baseline row: the same replicas per node averaged by all-reduce, no PS, every "
+               "other key the same; a PS strategy on one node is measured against it too. Efficiency: speedup "
+               "over the nodes used, dedicated PS nodes included. Speedup vs own smallest: throughput over that "
+               "of the same strategy's configuration with the fewest nodes.")
 STUDY_DEFINITIONS = ("Workers (GPUs): replicas. Test accuracy: at the end (best during the run). Time: training "
                      "time (evaluations left out), or that until the target was first reached. Improvement: the "
                      "baseline's time (the first configuration with the fewest replicas) over this one's.")

@@ -20,10 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import bench, figures
-
-
-class UntilError(ValueError):
-    pass
+from .errors import UntilError
 
 
 def parse_until(text: str | None) -> tuple[str, float] | None:

@@ -18,14 +18,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import DataError
+
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 # ImageNet channel statistics: what pretrained ResNets expect.
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
-
-
-class DataError(ValueError):
-    """Input data that cannot be used; str() names the file (and line)."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from .. import dist as sdist
 from .. import stats
-from ..cli import USER_ERRORS
+from ..errors import USER_ERRORS
 from ..config import load_config
 from ..ps.server import run_shard
 from ..train import RunError, train

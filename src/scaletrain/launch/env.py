@@ -21,11 +21,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..errors import LaunchError
 from ..plan import Plan, make_plan, node_name
-
-
-class LaunchError(RuntimeError):
-    """A job that cannot start as launched; str() says why in one line."""
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import PretrainedError
 from .resnet import ResNet, resnet
 
 __all__ = ["ResNet", "build_model", "load_pretrained", "PretrainedError", "HEAD_PREFIX"]
 
 log = logging.getLogger(__name__)
 HEAD_PREFIX = "fc."  # the classifier head: re-initialised when its size differs
-
-
-class PretrainedError(ValueError):
-    """Weights that cannot be loaded into the model; str() names the tensor."""
 
 
 def build_model(cfg) -> nn.Module:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import Config, dump_toml
+from ..config import Config
 from .profile import Profile
 
 SMALL = 1  # elements of the latency message (4 bytes)
@@ -115,18 +115,14 @@ def measure_optimizer(cfg: Config, numel: int) -> float:
 def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> tuple[float, str]:
     """Seconds per step of a real local training job of the recipe (one node, `replicas`
     replicas of one thread each, all-reduce, no evaluation), and its device."""
-    from ..cli import main as cli
+    from ..run import run_training
 
     job = cfg.replace(**{"cluster.nodes": 1, "cluster.gpus_per_node": replicas, "cluster.num_ps": 0,
                          "strategy.name": "allreduce", "strategy.slow_node": -1, "train.threads": 1,
                          "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
                          "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "recipe.toml").write_text(dump_toml(job))
-        rc = cli(["train", "--recipe", str(Path(tmp) / "recipe.toml"), "--run-dir", str(Path(tmp) / "run"), "--quiet"])
-        if rc:
-            raise RuntimeError(f"the calibration job failed (exit status {rc})")
-        summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+        summary = run_training(job, Path(tmp) / "run", progress=False)
     return replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, build_config, load_config
-from .profile import ProfileError, dump_profile, load_profile
-from .setup import ModelError, check_workload
+from ..config import build_config, load_config
+from ..errors import USER_ERRORS, ConfigError, GridError, LaunchError, ModelError, PlanError, ProfileError
+from .profile import dump_profile, load_profile
+from .setup import check_workload
 
 
 def add_parsers(sub) -> None:
@@ -18,7 +19,8 @@ def add_parsers(sub) -> None:
     pr.add_argument("--profile", required=True, help="hardware profile (TOML, see profiles/)")
     pr.add_argument("--recipe", help="TOML recipe (not needed with --validate)")
     pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pr.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="as for bench")
+    pr.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
+                    help="as for bench: several KEY=VALUES after one --grid, or several --grid")
     pr.add_argument("--format", choices=("table", "json"), default="table")
     pr.add_argument("--spread", type=float, default=0.0,
                     help="coefficient of variation of replica step times (0 = equal speeds)")
@@ -50,7 +52,12 @@ def calibrate_main(args) -> int:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
         return _fail(f"config error: {e}")
-    prof, about = calibrate(cfg, steps=args.steps)
+    from ..train import RunError
+
+    try:
+        prof, about = calibrate(cfg, steps=args.steps)
+    except (PlanError, LaunchError, RunError, *USER_ERRORS) as e:  # a calibration job that could not run
+        return _fail(str(e), 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(dump_profile(prof, about))
     print(f"profile: {args.out}")
@@ -58,7 +65,7 @@ def calibrate_main(args) -> int:
 
 
 def predict_main(args) -> int:
-    from ..bench import GridError, cells, parse_grid
+    from ..bench import cells, parse_grid
 
     try:
         prof, _ = load_profile(args.profile)
@@ -114,7 +121,10 @@ def _recommend(args, cfg, prof) -> int:
 
 
 def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[str, Any]]:
-    """Every measured bench row with its prediction and relative error."""
+    """Every measured bench row with its prediction and relative error, and the measured and
+    predicted speedups: both against figures.BASELINE (the bench's measured baseline row, the
+    model's prediction of that baseline), so they are the same quantity."""
+    from .. import figures
     from .predict import predict
 
     out = []
@@ -122,7 +132,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
         path = d / "bench-rows.json"
         if not path.exists():
             raise ProfileError(f"{d}: no bench-rows.json (a `scaletrain bench` output directory)")
-        for row in json.loads(path.read_text()):
+        for row in figures.add_scaling(json.loads(path.read_text())):  # figured again: older outputs too
             if row.get("error") or row.get("data") not in (None, "real"):
                 continue
             nested: dict[str, dict] = {}
@@ -137,6 +147,8 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
                                                    "ps_placement", "cell", "label")},
                         "measured": measured, "predicted": pred["images_per_sec"],
                         "rel_error": pred["images_per_sec"] / measured - 1, "bottleneck": pred["bottleneck"],
+                        "measured_speedup": row["speedup"], "measured_speedup_stderr": row["speedup_stderr"],
+                        "predicted_speedup": pred["speedup"],
                         "method": pred["method"], "bench_dir": str(d)})
     return out
 
@@ -144,10 +156,14 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
 def validate_table(rows: list[dict[str, Any]]) -> str:
     from ..figures import setup
 
-    lines = ["| Setup | Measured (img/s) | Predicted (img/s) | Error | Bottleneck (predicted) |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {setup(r)} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['rel_error']:+.1%} | {r['bottleneck']} |"
-              for r in rows]
+    lines = ["| Setup | Measured (img/s) | Predicted (img/s) | Error | Speedup measured | Speedup predicted | "
+             "Bottleneck (predicted) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        measured = "-" if r.get("measured_speedup") is None else \
+            f"{r['measured_speedup']:.2f} ± {r['measured_speedup_stderr']:.2f}"
+        predicted = "-" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}"
+        lines.append(f"| {setup(r)} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['rel_error']:+.1%} | "
+                     f"{measured} | {predicted} | {r['bottleneck']} |")
     return "\n".join(lines)
 
 

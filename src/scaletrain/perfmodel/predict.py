@@ -2,10 +2,10 @@
 
 Synchronous paths with equal replicas use the closed forms (costs.py);
 asynchronous shards, backups and uneven speeds use the event simulation
-(simulate.py). Speedup and efficiency follow the study: throughput over that
-of one node with no distribution (the same replicas per node, averaging
-inside the node only), and speedup over the nodes used, dedicated PS nodes
-included.
+(simulate.py). Speedup and efficiency are figures.py's, as for a bench:
+throughput over that of one node with no distribution (figures.BASELINE: the
+same replicas per node, averaging inside the node only), and speedup over
+the nodes used, dedicated PS nodes included.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
+from .. import figures
 from ..config import Config
 from . import costs
 from .profile import Profile
@@ -68,25 +69,25 @@ def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float
 
 
 def single_node(cfg: Config) -> Config:
-    """The study's baseline: one node, no parameter server, no slow node."""
-    return cfg.replace(**{"cluster.nodes": 1, "cluster.num_ps": 0, "strategy.name": "allreduce",
-                          "strategy.slow_node": -1, "strategy.backup_workers": 0})
+    """The study's baseline (figures.BASELINE): one node, all-reduce, no parameter server, no slow node."""
+    return cfg.replace(**figures.BASELINE)
 
 
 def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """One row of predicted figures, keyed like a bench row where the meaning is the same."""
     st = make_setup(cfg, p)
     est, method = estimate(p, st, spread, seed)
-    base, _ = estimate(p, make_setup(single_node(cfg), p))
-    speedup = est.images_per_sec / base.images_per_sec
+    # The baseline on the same hardware: its replicas are as uneven as this configuration's.
+    base, _ = estimate(p, make_setup(single_node(cfg), p), spread, seed)
+    scaled = figures.scaling(est.images_per_sec, 0.0, base.images_per_sec, 0.0, st.nodes_total)
     name, share = bottleneck(est, st.uses_ps)
     c = cfg.cluster
     return {"strategy": cfg.strategy.name, "nodes": c.nodes, "nodes_total": st.nodes_total,
             "gpus_per_node": c.gpus_per_node, "num_ps": c.num_ps,
             "ps_placement": c.ps_placement if c.num_ps else None, "replicas": c.nodes * c.gpus_per_node,
             "backup_workers": cfg.strategy.backup_workers, "spread": spread,
-            "images_per_sec": est.images_per_sec, "step_s": est.step_s, "speedup": speedup,
-            "efficiency": speedup / st.nodes_total, "baseline_images_per_sec": base.images_per_sec,
+            "images_per_sec": est.images_per_sec, "step_s": est.step_s, "speedup": scaled["speedup"],
+            "efficiency": scaled["efficiency"], "baseline_images_per_sec": base.images_per_sec,
             "parts_s": est.parts, "link_bytes_per_step": est.link_bytes, "ps_cpu_util": est.ps_cpu_util,
             "link_util": est.link_util, "busy": share, "bottleneck": name,
             "staleness_mean": est.staleness_mean, "dropped_fraction": est.dropped_fraction, "method": method}
@@ -94,8 +95,6 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: the predicted figures of each row, with its bottleneck."""
-    from ..figures import setup
-
     lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step (ms) | Bottleneck | PS CPU | "
              "Busiest link | Staleness | Method |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -103,7 +102,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['label']} | not predicted: {r['error']} | | | | | | | | |")
             continue
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f}"
-        lines.append(f"| {setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
+        lines.append(f"| {figures.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
                      f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
                      f"{r['link_util']:.2f} | {stale} | {r['method']} |")
     return "\n".join(lines)

@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import get_type_hints
 
 from ..config import check_value, opt, read_toml
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be used; str() is one line naming the file and key."""
+from ..errors import ProfileError
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config
-from ..plan import PlanError, make_plan
+from ..errors import ModelError, PlanError
+from ..plan import make_plan
 from ..strategies import entry, wait_for
 from .profile import Profile
-
-
-class ModelError(ValueError):
-    """A configuration the model cannot predict with this profile; str() is one line."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""The errors a user can act on. str() of each is one line for the user, never a traceback.
+
+They live here, apart from the modules that raise them, so that any entry
+point (cli, bench, calibrate, a launched process) can catch them without
+importing another entry point or anything heavy: this module imports nothing.
+The raising modules re-export their own, so `from .config import ConfigError`
+keeps working.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; str() is one line for the user."""
+
+
+class PlanError(ValueError):
+    """A cluster shape that cannot be placed; str() is one line for the user."""
+
+
+class LaunchError(RuntimeError):
+    """A job that cannot start as launched; str() says why in one line."""
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; str() names the file (and line)."""
+
+
+class PretrainedError(ValueError):
+    """Weights that cannot be loaded into the model; str() names the tensor."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or resumed from; str() names it."""
+
+
+class GridError(ValueError):
+    """A --grid (or --steps/--warmup/--repeats) that cannot be swept; str() shows the form to write."""
+
+
+class UntilError(ValueError):
+    """A --until that is not epochs=E, loss=L or accuracy=A."""
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be used; str() is one line naming the file and key."""
+
+
+class ModelError(ValueError):
+    """A configuration the performance model cannot predict with this profile; str() is one line."""
+
+
+# Raised while a job runs, from inputs the user controls: printed as one line with exit status 1.
+# train.RunError is caught beside them: it is defined with the training loop, which imports torch.
+USER_ERRORS = (DataError, PretrainedError, CheckpointError)
