@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench, study
 
         return (bench if args.command == "bench" else study).main(args)
-    from .train import RunError  # torch is imported only once the config is valid
 
     run_dir = None
     try:
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, LaunchError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
-    except (RunError, *USER_ERRORS) as e:
+    except USER_ERRORS as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -34,6 +34,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or resumed from; str() names it."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot start or continue (a run directory in use, too little data, a failed job)."""
+
+
 class GridError(ValueError):
     """A --grid (or --steps/--warmup/--repeats) that cannot be swept; str() shows the form to write."""
 
@@ -51,5 +55,4 @@ class ModelError(ValueError):
 
 
 # Raised while a job runs, from inputs the user controls: printed as one line with exit status 1.
-# train.RunError is caught beside them: it is defined with the training loop, which imports torch.
-USER_ERRORS = (DataError, PretrainedError, CheckpointError)
+USER_ERRORS = (RunError, DataError, PretrainedError, CheckpointError)

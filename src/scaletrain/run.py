@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import LaunchError
+from .errors import LaunchError, RunError
 from .launch import env as launch_env
 
 
@@ -34,12 +34,12 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
                  plan_node: int | None = None) -> dict[str, Any]:
     """Train cfg into run_dir; the run's summary (summary.json).
 
-    Raises PlanError or LaunchError (a job that cannot start as asked), train.RunError
-    or one of errors.USER_ERRORS (a job that failed; str() is one line), and
+    Raises PlanError or LaunchError (a job that cannot start as asked), one of
+    errors.USER_ERRORS (a job that failed; str() is one line), and
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
     plan_node: under torchrun, this agent's node index in the plan.
     """
-    from .train import RunError, prepare_run_dir, train
+    from .train import prepare_run_dir, train
 
     launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
     if not cfg.distributed:

@@ -2,10 +2,12 @@
 
 Each cell trains with evaluation on (the recipe's cadence) for the stop
 criterion's length: `epochs=E` sets the run length; `accuracy=A` and
-`loss=L` set the target whose first crossing (test accuracy >= A, train loss
-<= L) gives the time to target, measured on the run's own curve. Rows go to
-OUT/study.jsonl, the table (the study's shape: Workers (GPUs) | Test
-accuracy | Time | Improvement) to OUT/study.md. Times are training time:
+`loss=L` set train.target_accuracy / train.target_loss, so every process of
+the run stops at the first evaluation point where the test accuracy reaches A
+(or the replicas' mean train loss since the previous point falls to L); the
+time and images to target are the job's at that point (the recipe's length
+is the limit). Rows go to OUT/study.jsonl, the table (the study's shape:
+Workers (GPUs) | Test accuracy | Time | Improvement) to OUT/study.md. Times are training time:
 evaluation is left out, so its cadence does not count. Improvement = time
 (or time to target, when one is set) of the baseline, the first cell with the
 fewest replicas, over this cell's ("-" when either did not reach the target).
@@ -47,20 +49,12 @@ def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return {"train": [r for r in rows if r["kind"] == "train"], "eval": [r for r in rows if r["kind"] == "eval"]}
 
 
-def time_to(run_dir: Path, until: tuple[str, float] | None) -> float | None:
-    if until is None or until[0] == "epochs":
-        return None
-    c = curves(run_dir)
-    what, target = until
-    hits = [r["t"] for r in c["eval"] if r.get("test_accuracy", 0) >= target] if what == "accuracy" else \
-        [r["t"] for r in c["train"] if r["loss"] <= target]
-    return hits[0] if hits else None
-
-
 def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
         progress: bool = True) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
-    length = [f"train.epochs={until[1]}", "train.steps=0"] if until and until[0] == "epochs" else []
+    what, value = until or (None, None)
+    length = {"epochs": [f"train.epochs={value}", "train.steps=0"], "accuracy": [f"train.target_accuracy={value}"],
+              "loss": [f"train.target_loss={value}"], None: []}[what]
     rows = []
     todo = bench.cells(grid)
     with open(out / "study.jsonl", "w") as fh:
@@ -75,8 +69,8 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
                 row.update(steps=s["steps"], epochs=s["epochs"], wall_seconds=s["wall_seconds"],
                            train_seconds=s["train_seconds"],
                            test_accuracy=s.get("test_accuracy"), best_test_accuracy=s.get("best_test_accuracy"),
-                           final_train_loss=s["final_train_loss"],
-                           time_to_target=time_to(out / row["run_dir"], until))
+                           final_train_loss=s["final_train_loss"], time_to_target=s.get("time_to_target"),
+                           images_to_target=s.get("images_to_target"))
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
@@ -108,17 +102,19 @@ def study_table(rows: list[dict[str, Any]], until) -> str:
     target = until and until[0] != "epochs"
     when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
         else "Training time"
-    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when} | Steps | Improvement |",
-             "|---|---|---|---|---|---|"]
+    images = " | Images to target" if target else ""
+    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement |",
+             "|---|---|---|---|---|---|" + ("---|" if target else "")]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | | not run: {r['error']} | | | |")
+            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | |")
             continue
         acc = "-" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f} ({r['best_test_accuracy']:.4f})"
         t = _time(r, until)
         imp = "-" if r.get("improvement") is None else f"{r['improvement']:.2f}x"
+        n = (" | -" if r.get("images_to_target") is None else f" | {r['images_to_target']:,}") if target else ""
         lines.append(f"| {figures.setup(r)} | {r['replicas']} | {acc} | "
-                     f"{'not reached' if t is None else f'{t:.1f} s'} | {r['steps']} | {imp} |")
+                     f"{'not reached' if t is None else f'{t:.1f} s'}{n} | {r['steps']} | {imp} |")
     return "\n".join(lines)
 
 

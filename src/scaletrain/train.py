@@ -24,6 +24,7 @@ from . import checkpoint, schedule, stats
 from .config import Config, dump_toml
 from .data import Batch, DataError, build_datasets, test_loader, train_loader
 from .dist import Context, single
+from .errors import RunError
 from .metrics import JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
@@ -32,10 +33,6 @@ from .strategies.allreduce import average_
 from .strategies.base import Tick
 
 log = logging.getLogger("scaletrain")
-
-
-class RunError(RuntimeError):
-    """A run that cannot start or continue; str() says why in one line."""
 
 
 def pick_device(cfg: Config) -> torch.device:

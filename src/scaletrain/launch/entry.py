@@ -23,7 +23,7 @@ from .. import stats
 from ..errors import USER_ERRORS
 from ..config import load_config
 from ..ps.server import run_shard
-from ..train import RunError, train
+from ..train import train
 from . import env as launch_env
 from .env import LaunchError
 
@@ -50,7 +50,7 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
             stats.gather(ctx, run_shard(cfg, ctx, run_dir, resume))
         else:
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
-    except (RunError, *USER_ERRORS) as e:
+    except USER_ERRORS as e:
         print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
         sdist.abort(ctx)
         return 1

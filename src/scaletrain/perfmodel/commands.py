@@ -52,11 +52,10 @@ def calibrate_main(args) -> int:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
         return _fail(f"config error: {e}")
-    from ..train import RunError
 
     try:
         prof, about = calibrate(cfg, steps=args.steps)
-    except (PlanError, LaunchError, RunError, *USER_ERRORS) as e:  # a calibration job that could not run
+    except (PlanError, LaunchError, *USER_ERRORS) as e:  # a calibration job that could not run
         return _fail(str(e), 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(dump_profile(prof, about))
