@@ -15,15 +15,20 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The study in miniature: digits, a small ResNet, 1, 2 and 4 emulated nodes x 2 replicas,
-# allreduce vs sync vs mixed-async: a throughput bench, a learning study, one report.
+# allreduce vs sync vs mixed-async (and sync without the learning-rate rule, to show what it does):
+# a throughput bench, a learning study, one report. The learning rate scales linearly with the
+# images per update (optim.scale_lr), with a short warm-up, as Goyal et al.
 DEMO      := runs/demo
-DEMO_SETS := --set data.workers=0 --set cluster.gpus_per_node=2 --set optim.warmup_steps=0 --set train.eval_every=10
+DEMO_SETS := --set data.workers=0 --set cluster.gpus_per_node=2 --set data.batch_size=16 \
+             --set optim.scale_lr=linear --set optim.reference_batch=32 --set optim.warmup_steps=5 \
+             --set train.eval_every=10
 DEMO_GRID := --grid cluster.nodes=1,2,4 --grid strategy.name+cluster.num_ps=allreduce:0,sync:1,mixed-async:1
+DEMO_RULE := --grid strategy.name+cluster.num_ps+optim.scale_lr=allreduce:0:linear,sync:1:linear,mixed-async:1:linear,sync:1:none
 
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/scaletrain bench --recipe recipes/digits.toml $(DEMO_SETS) $(DEMO_GRID) --warmup 5 --steps 30 --out $(DEMO)/bench
-	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) $(DEMO_GRID) --until epochs=12 --out $(DEMO)/study
+	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) --grid cluster.nodes=1,2,4 $(DEMO_RULE) --until epochs=12 --out $(DEMO)/study
 	$(BIN)/scaletrain report $(DEMO)/bench $(DEMO)/study --out $(DEMO)/report
 
 # Slurm and munge from Debian, for the tests that start an emulated 4-node cluster (root only).
