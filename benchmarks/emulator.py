@@ -1,10 +1,11 @@
 """How close the one-process staleness emulator comes to real mixed-async runs.
 
-For each N: a real `mixed-async` job of N nodes x 1 replica (1 PS, T steps per
-node, so N*T updates) against `strategy.emulate_workers = N` in one process
-(N*T steps at the same batch and constant learning rate). Compares mean
-staleness and the loss curve (the chief's loss after s of its steps against
-the emulator's after N*s updates; both are means over a log window), with the
+For each N: a real `mixed-async` job of N nodes x 1 replica (1 PS, T job
+steps, so N*T updates of one node's batch) against `strategy.emulate_workers
+= N` in one process (N*T steps at the same batch and constant learning rate).
+Compares mean staleness and the loss curve (the chief's loss at job step s,
+i.e. after N*s updates, against the emulator's after N*s updates; both are
+means over a log window), with the
 gap between two real runs of different seeds as the yardstick. Prints one
 JSON object.
 
@@ -33,7 +34,7 @@ def train(overrides: list[str]) -> tuple[dict, list[dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=100, help="steps per node of the real run")
+    ap.add_argument("--steps", type=int, default=100, help="job steps of the real run (updates per node, on average)")
     a = ap.parse_args()
     base = ["optim.schedule=constant", "optim.warmup_steps=0", "data.workers=0", "train.eval_every=0"]
     results = []
