@@ -121,7 +121,7 @@ def _html(sections, made, out: Path) -> str:
              "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:4px 8px;"
              "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#eee}"
-             "figure{display:inline-block;margin:8px}img{max-width:460px}</style></head><body>",
+             "figure{margin:16px 0}img{max-width:100%}</style></head><body>",  # small multiples: full width
              "<h1>scaletrain report</h1>"]
     for title, table, notes in sections:
         parts += [f"<h2>{html.escape(title)}</h2>", _md_table_html(table)]
