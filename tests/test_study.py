@@ -343,3 +343,10 @@ def test_study_end_to_end(tmp_path):
     page = check_report(out / "report" / "report.html")
     assert {"study-loss-time.png", "study-accuracy-time.png"} <= {p.name for p in (out / "report").glob("*.png")}
     assert len(set(page.images)) == len(page.images)  # no plot twice
+
+
+def test_study_target_without_evaluations_fails_before_any_run(tmp_path, capsys):
+    out = tmp_path / "s"
+    assert main(["study", "--recipe", DIGITS, "--set", "train.eval_every=0", "--until", "accuracy=0.9",
+                 "--out", str(out)]) == 2
+    assert "set train.eval_every > 0" in capsys.readouterr().err and not out.exists()

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from . import bench, figures
-from .errors import UntilError
+from .config import load_config
+from .errors import ConfigError, UntilError
 
 
 def parse_until(text: str | None) -> tuple[str, float] | None:
@@ -36,6 +37,13 @@ def parse_until(text: str | None) -> tuple[str, float] | None:
     if not sep or what not in ("epochs", "loss", "accuracy") or v is None or v <= 0:
         raise UntilError(f"--until {text!r}: write epochs=E, loss=L or accuracy=A (a positive number)")
     return what, v
+
+
+def until_sets(until: tuple[str, float] | None) -> list[str]:
+    """The config overrides --until stands for: the run's length, or its target."""
+    what, value = until or (None, None)
+    return {"epochs": [f"train.epochs={value}", "train.steps=0"], "accuracy": [f"train.target_accuracy={value}"],
+            "loss": [f"train.target_loss={value}"], None: []}[what]
 
 
 def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -52,9 +60,7 @@ def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
         progress: bool = True) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
-    what, value = until or (None, None)
-    length = {"epochs": [f"train.epochs={value}", "train.steps=0"], "accuracy": [f"train.target_accuracy={value}"],
-              "loss": [f"train.target_loss={value}"], None: []}[what]
+    length = until_sets(until)
     rows = []
     todo = bench.cells(grid)
     with open(out / "study.jsonl", "w") as fh:
@@ -122,7 +128,8 @@ def main(args) -> int:
     try:
         grid = bench.parse_grid(args.grid)
         until = parse_until(args.until)
-    except (bench.GridError, UntilError) as e:
+        load_config(args.recipe, [*args.overrides, *until_sets(until)])  # e.g. a target with no evaluations
+    except (bench.GridError, UntilError, ConfigError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/study-{time.strftime('%Y%m%d-%H%M%S')}")
