@@ -25,7 +25,8 @@ def run(tmp_path, name, *overrides):
     command took as the test saw them."""
     run_dir = tmp_path / name
     t0 = time.perf_counter()
-    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet"]
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet",
+            *(["--resume"] if (run_dir / "checkpoints").exists() else [])]
     for o in overrides:
         args += ["--set", o]
     assert main(args) == 0, (run_dir / "logs").exists() and [p.read_text()[-2000:] for p in
@@ -74,6 +75,14 @@ def test_throughput_is_images_applied_over_job_time(tmp_path, strategy, ps, more
     assert s["images_computed"] >= target
 
 
+def test_backup_stops_exactly_at_the_target(tmp_path):
+    """3 nodes, b = 1: an update applies 2 nodes' batches, the target 7 x 3 of them: the last update
+    waits for one gradient only."""
+    s = run(tmp_path, "b", *cluster(3, 1, 1, "backup", "strategy.backup_workers=1"), *QUIET, "train.steps=7",
+            "data.batch_size=8")
+    assert s["images_applied"] == 7 * 3 * 8 and {w["stopped_at_images"] for w in s["per_worker"]} == {168}
+
+
 def test_long_evaluation_and_slow_steps_do_not_kill_a_healthy_job(tmp_path):
     """timeout_s = 2, while one evaluation of the test set takes over 5 times that, and one node's
     steps take 3 s: nobody waits in a timed call on healthy work (the PS waits in a receive
@@ -87,6 +96,29 @@ def test_long_evaluation_and_slow_steps_do_not_kill_a_healthy_job(tmp_path):
     assert (tmp_path / "long" / "model.safetensors").exists()
 
 
+def test_slow_steps_do_not_time_out_collectives(tmp_path):
+    """timeout_s = 2 and one node's steps take 3 s: the other replica waits in the all-reduce."""
+    s = run(tmp_path, "slow", *cluster(2, 1, 0, "allreduce", "cluster.timeout_s=2", "strategy.slow_node=1",
+                                       "strategy.slow_delay_s=3"), *QUIET, "train.steps=2")
+    assert s["steps"] == 2 and s["train_seconds"] > 2 * 3
+
+
+def test_several_shards_hold_at_every_point_and_resume(tmp_path):
+    """async with 2 shards and 2 replicas a node: an evaluation every step and a checkpoint every
+    two, so pushers meet shards that reached a point before or after them; then a resume."""
+    setup = [*cluster(2, 2, 2, "async"), "data.workers=0", "train.eval_every=1", "train.checkpoint_every=2",
+             "train.log_every=1", "data.batch_size=8"]
+    s = run(tmp_path, "r", *setup, "train.steps=6")
+    assert s["images_applied"] == 6 * 4 * 8 and {w["stopped_at_images"] for w in s["per_worker"]} == {192}
+    evals = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [1, 2, 3, 4, 5, 6]
+    ckpt = torch.load(tmp_path / "r" / "checkpoints" / "ckpt-00000006.pt", weights_only=True)
+    assert ckpt["images"] == 192 and [shard["images"] for shard in ckpt["ps"]] == [192, 192]
+    r = run(tmp_path, "r", *setup, "train.steps=10")
+    assert r["start_step"] == 6 and r["steps"] == 10 and r["images_applied"] == 4 * 4 * 8
+    assert {w["stopped_at_images"] for w in r["per_worker"]} == {320}
+
+
 def test_evaluation_over_four_replicas_equals_one(tmp_path):
     """Each replica evaluates a quarter of the test set (BatchNorm statistics averaged first);
     the job's figure is that of the saved model evaluated in one process."""
@@ -98,8 +130,10 @@ def test_evaluation_over_four_replicas_equals_one(tmp_path):
     one = evaluate(model, data.test_loader(test_set, cfg), torch.device("cpu"), lambda b: (b.x, b.y), None, 1)
     assert s["test_accuracy"] == one["test_accuracy"]
     assert s["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
-    # and the slices were really split: a quarter of the set each
-    assert [len(data.test_loader(test_set, cfg, rank=r, world=4).batch_sampler[0]) for r in range(4)] == [64] * 4
+    # and the slices were really split: a quarter of the set each, together all of it
+    slices = [[i for b in data.test_loader(test_set, cfg, rank=r, world=4).batch_sampler for i, _ in b]
+              for r in range(4)]
+    assert [len(x) for x in slices] == [90, 90, 90, 89] and sorted(sum(slices, [])) == list(range(359))
 
 
 @pytest.mark.parametrize("strategy, ps", [("sync", 1), ("mixed-async", 1)])
@@ -159,6 +193,8 @@ def test_learning_rate_scales_with_the_images_per_update():
 
     lin = OptimConfig(lr=0.1, scale_lr="linear", reference_batch=32, warmup_steps=4)
     assert [lr_at(lin, s, 100, 128) for s in range(5)] == pytest.approx([0.1, 0.175, 0.25, 0.325, 0.4])
+    # scaled down (fewer images per update than the reference): warm-up rises from 0, never downhill
+    assert [lr_at(lin, s, 100, 16) for s in range(5)] == pytest.approx([0.0125, 0.025, 0.0375, 0.05, 0.05])
     sq = OptimConfig(lr=0.1, scale_lr="sqrt", reference_batch=32)
     assert lr_at(sq, 50, 100, 128) == pytest.approx(0.2)
     assert lr_at(OptimConfig(lr=0.1, reference_batch=32), 50, 100, 128) == pytest.approx(0.1)  # none

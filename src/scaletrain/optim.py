@@ -84,10 +84,10 @@ def peak_lr(cfg, update_images: int) -> float:
 def lr_at(cfg, step: int, total: int, update_images: int) -> float:
     """Learning rate at job step `step` (0-based) of `total`: a pure function of the
     step, so a resumed run needs no scheduler state. Warm-up without scaling rises
-    linearly from 0 to lr; with scaling, from lr to the scaled lr (Goyal et al.)."""
+    linearly from 0 to lr; with scaling up, from lr to the scaled lr (Goyal et al.)."""
     peak = peak_lr(cfg, update_images)
     if step < cfg.warmup_steps:
-        if cfg.scale_lr == "none":
+        if peak <= cfg.lr:  # no scaling, or scaled down: from 0
             return peak * (step + 1) / cfg.warmup_steps
         return cfg.lr + (peak - cfg.lr) * step / cfg.warmup_steps
     if cfg.schedule == "step":

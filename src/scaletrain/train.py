@@ -112,6 +112,9 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
             x, y = run.usable(next(batches))
             run.clock.wait += time.perf_counter() - t0
             if x is None:
+                if ctx.distributed:  # skipping would leave the other replicas waiting in the step's collective
+                    raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
+                                    "a distributed step needs at least one; see the warnings above")
                 continue
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -156,7 +159,7 @@ class Run:
         self.evaluation = test_loader(test_set, cfg, device.type == "cuda", ctx.me.index, workers) \
             if len(test_set) else None
         self.group = ctx.workers_group  # None when this is the only worker
-        self.losses = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [since row, since point] x [sum, n]
+        self.losses = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
         self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
@@ -208,7 +211,7 @@ class Run:
         evaluate = stop or s.crossed(t.eval_every, self.last_point, tick.images)
         save = stop or s.crossed(t.checkpoint_every, self.last_point, tick.images)
         self.last_point = tick.images
-        job_loss = self._reduce_loss()  # collective: returns once every worker has arrived
+        job_loss = self._reduce_loss(reset=evaluate)  # collective: returns once every worker has arrived
         at = self.clock.t  # the point is where this tick reached it
         if evaluate:
             self.clock.pause()  # evaluation is not training time
@@ -225,12 +228,14 @@ class Run:
             self._checkpoint(tick)
         return Tick(tick.images, True, stop)
 
-    def _reduce_loss(self) -> float:
-        """Mean train loss of every replica since the last agreed point."""
+    def _reduce_loss(self, reset: bool) -> float:
+        """Mean train loss of every replica since the last evaluation."""
+        sums = self.losses[1].clone()
         if self.group is not None:
-            dist.all_reduce(self.losses[1], group=self.group)  # collective over the workers
-        total, n = self.losses[1].tolist()
-        self.losses[1].zero_()
+            dist.all_reduce(sums, group=self.group)  # collective over the workers
+        if reset:
+            self.losses[1].zero_()
+        total, n = sums.tolist()
         return total / n if n else math.nan
 
     def _evaluate(self, tick: Tick, at: float) -> dict[str, float]:

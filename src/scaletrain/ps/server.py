@@ -110,7 +110,9 @@ class Shard:
             self._reply([src])
 
     def _maybe_apply(self) -> None:
-        if self.pending and len(self.pending) >= min(self.wait_for, len(self.active)):
+        # The last update waits only for the pushes the target still needs: the stop is exact.
+        left = -(-(self.schedule.target - self.images) // self.push_images)
+        if self.pending and len(self.pending) >= min(self.wait_for, len(self.active), left):
             for src in self.pending:
                 self._record(src, 0)
             self._apply(self.acc / len(self.pending), len(self.pending) * self.push_images)
