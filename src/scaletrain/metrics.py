@@ -76,15 +76,19 @@ class JobClock:
         """Training seconds so far: since the start, evaluations left out."""
         return time.perf_counter() - self.t0 - self.paused
 
+    def wall(self) -> float:
+        """Seconds since the start, evaluations included."""
+        return time.perf_counter() - self.t0
+
     def pause(self) -> None:
         self.pause_t = time.perf_counter()
 
     def resume(self) -> None:
         self.paused += time.perf_counter() - self.pause_t
 
-    def tick(self, images: int, close: bool) -> float | None:
+    def tick(self, images: int, close: bool) -> tuple[int, float, float] | None:
         """The job has applied `images` by now; close a window when asked (a log point).
-        Returns the closed window's rate, if one was closed."""
+        Returns the closed window (images, seconds, data-wait seconds), if one was closed."""
         self.images, self.t = images, self.now()
         if self.mark is None:
             if images >= self.skip_until:
@@ -92,10 +96,9 @@ class JobClock:
             return None
         if not close or self.t <= self.mark[0] or images <= self.mark[1]:
             return None
-        n, secs = images - self.mark[1], self.t - self.mark[0]
-        self.windows.append((n, secs, self.wait))
+        self.windows.append((images - self.mark[1], self.t - self.mark[0], self.wait))
         self.mark, self.wait = (self.t, images), 0.0
-        return n / secs
+        return self.windows[-1]
 
     def summary(self) -> dict[str, float]:
         """images_per_sec with its standard error, jitter and window count; train_seconds
@@ -116,28 +119,23 @@ class JobClock:
 
 
 class Recorder:
-    """metrics.jsonl rows and TensorBoard scalars of one process."""
+    """metrics.jsonl rows and TensorBoard scalars of the run (the chief writes them)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, extra: dict[str, Any] | None = None) -> None:
-        self.extra = extra or {}
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
         self.fh = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash keeps rows
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
     def row(self, kind: str, step: int, **values: Any) -> None:
-        self.fh.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **self.extra, **values}) + "\n")
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("epoch", "wall"):
-                    self.tb.add_scalar(f"{kind}/{k}", v, step)
+        self.fh.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("epoch", "wall"):
+                self.tb.add_scalar(f"{kind}/{k}", v, step)
 
     def close(self) -> None:
         self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.tb.close()
 
 
 class Progress:

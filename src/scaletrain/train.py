@@ -185,15 +185,16 @@ class Run:
         self.losses[:, 1] += 1
         if tick.hold or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
             sync(self.device)  # host-device sync: the clock must see the queued work
-            rate = self.clock.tick(tick.images, close=True)
+            window = self.clock.tick(tick.images, close=True)
+            rate = window[0] / window[1] if window else None
             s, n_ = self.losses[0].tolist()  # host-device sync, at log points only
             self.losses[0].zero_()
             self.last_loss = s / max(n_, 1)
             step = self.sched.step_of(tick.images)
-            row = {"images": tick.images, "epoch": self.epoch(tick.images), "wall": self.clock.now() + self.clock.paused,
+            row = {"images": tick.images, "epoch": self.epoch(tick.images), "wall": self.clock.wall(),
                    "train_wall": self.clock.now(), "loss": self.last_loss, "lr": lr}
             if rate is not None:
-                row.update(images_per_sec=rate, data_wait_fraction=self.clock.windows[-1][2] / self.clock.windows[-1][1])
+                row.update(images_per_sec=rate, data_wait_fraction=window[2] / window[1])
             if self.rec:
                 self.rec.row("train", step, **row)
             self.bar.update(step, self.last_loss, rate or 0.0)
@@ -282,7 +283,7 @@ class Run:
             return {}
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
-            "wall_seconds": self.clock.now() + self.clock.paused, "eval_seconds": self.clock.paused,
+            "wall_seconds": self.clock.wall(), "eval_seconds": self.clock.paused,
             **self.clock.summary(), "images_computed": job.pop("images_computed"),
             "final_train_loss": self.last_loss, "test_accuracy": self.final.get("test_accuracy"),
             "test_loss": self.final.get("test_loss"), "best_test_accuracy": self.best,
