@@ -223,7 +223,8 @@ def _heartbeat(ctx: Context) -> None:
             store.add(f"hb/{ctx.rank}", 1)
             gone = live.missing(store)
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
-            gone = [0]
+            # Rank 0 may have left because of a peer already seen missing: name that one first.
+            gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
         ctx.gone = gone
         if not gone:
             lost_since = None
