@@ -7,29 +7,82 @@ from scaletrain.checkpoint import CheckpointError
 from scaletrain.train import RunError, train
 
 
-def test_crash_between_write_and_rename_keeps_previous(tmp_path, monkeypatch):
+def state(step, value=1.0):
+    """A checkpoint as the run writes it, small."""
+    return {"step": step, "config": {}, "model": {"w": torch.full((3,), value)}}
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("unsafe code ran",))
+
+
+def test_partial_file_of_a_killed_write_is_never_loaded_and_removed(tmp_path):
     d = tmp_path / "ckpt"
-    checkpoint.save(d, 10, {"step": 10, "w": torch.ones(3)}, keep=2)
-
-    def crash(*_):
-        raise OSError("power cut")
-
-    monkeypatch.setattr(checkpoint.os, "replace", crash)
-    with pytest.raises(OSError):
-        checkpoint.save(d, 20, {"step": 20, "w": torch.zeros(3)}, keep=2)
-    monkeypatch.undo()
-    assert (d / "ckpt-00000020.pt.tmp").exists()  # the half-done write is there...
-    state, path = checkpoint.load_latest(d)  # ...and is never what gets loaded
-    assert state["step"] == 10 and path.name == "ckpt-00000010.pt"
+    checkpoint.save(d, 10, state(10), keep=2)
+    whole = (d / "ckpt-00000010.pt").read_bytes()
+    (d / "ckpt-00000020.pt.tmp").write_bytes(whole[: len(whole) // 2])  # what a kill -9 mid-write leaves
+    loaded, path = checkpoint.load_latest(d)
+    assert loaded["step"] == 10 and path.name == "ckpt-00000010.pt"
+    assert not list(d.glob("*.tmp"))
 
 
-def test_unreadable_newest_falls_back_and_keep_prunes(tmp_path):
+def test_unreadable_newest_falls_back_naming_it_and_the_steps_lost(tmp_path, caplog):
     d = tmp_path / "ckpt"
-    for s in (1, 2, 3):
-        checkpoint.save(d, s, {"step": s}, keep=2)
-    assert [s for s, _ in checkpoint.list_complete(d)] == [2, 3]
-    (d / "ckpt-00000003.pt").write_bytes(b"garbage")
-    assert checkpoint.load_latest(d)[0]["step"] == 2
+    for s in (50, 100, 150):
+        checkpoint.save(d, s, state(s), keep=2)
+    assert [s for s, _ in checkpoint.list_complete(d)] == [100, 150]
+    newest = d / "ckpt-00000150.pt"
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated
+    loaded, path = checkpoint.load_latest(d)
+    assert loaded["step"] == 100
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "ckpt-00000150.pt: truncated" in warning and "50 steps lost" in warning, warning
+    assert "\n" not in warning
+
+
+def test_unsafe_pickle_is_refused_in_one_line_of_our_own(tmp_path, capfd):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    torch.save({**state(5), "extra": Evil()}, d / "ckpt-00000005.pt")
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load_latest(d)
+    msg = str(e.value)
+    assert "ckpt-00000005.pt: holds Python objects other than tensors" in msg, msg
+    assert "\n" not in msg and "weights_only=False" not in msg
+    assert "unsafe code ran" not in capfd.readouterr().out
+
+
+def test_writer_snapshots_at_submit_and_reports_a_failed_last_write(tmp_path, caplog):
+    d = tmp_path / "ckpt"
+    w = checkpoint.Writer(d, keep=2)
+    st = state(2)
+    w.submit(2, st)
+    st["model"]["w"].fill_(7.0)  # training goes on in place while the file is written
+    w.finish()
+    assert torch.equal(checkpoint.read(d / "ckpt-00000002.pt")["model"]["w"], torch.ones(3))
+    # a directory that cannot be made: a warning, then the last write's failure is an error
+    bad = checkpoint.Writer(tmp_path / "file" / "ckpt", keep=2)
+    (tmp_path / "file").write_text("not a directory")
+    bad.submit(4, state(4))
+    bad.join()
+    assert any("cannot create the checkpoint directory" in r.getMessage() and "training goes on" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    with pytest.raises(CheckpointError, match="last checkpoint was not written: .*file/ckpt"):
+        bad.finish()
+
+
+def test_complete_checkpoint_of_the_same_step_is_not_written_again(tmp_path):
+    d = tmp_path / "ckpt"
+    p = checkpoint.save(d, 4, state(4, 1.0), keep=2)
+    before = p.stat()
+    checkpoint.save(d, 4, state(4, 2.0), keep=2)
+    after = p.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert torch.equal(checkpoint.read(p)["model"]["w"], torch.ones(3))
+    p.write_bytes(p.read_bytes()[:-10])  # a damaged one of that step is replaced
+    checkpoint.save(d, 4, state(4, 2.0), keep=2)
+    assert torch.equal(checkpoint.read(p)["model"]["w"], torch.full((3,), 2.0))
 
 
 def test_exact_resume_equals_straight_run(digits_cfg, tmp_path):
@@ -63,5 +116,22 @@ def test_incompatible_checkpoint_refused_naming_keys(digits_cfg, tmp_path):
     with pytest.raises(CheckpointError, match=r"differing keys: model\.width \(16 -> 8\), optim\.lr"):
         train(digits_cfg("train.steps=4", "model.width=8", "optim.lr=0.2"), tmp_path / "r", resume=True,
               progress=False)
-    with pytest.raises(RunError, match="pass --resume"):
+    # without --resume too, and the config the run was written with stays
+    config = (tmp_path / "r" / "config.toml").read_text()
+    with pytest.raises(CheckpointError, match=r"differing keys: model\.width .*choose another --run-dir"):
+        train(digits_cfg("train.steps=4", "model.width=8"), tmp_path / "r", progress=False)
+    assert (tmp_path / "r" / "config.toml").read_text() == config
+
+
+def test_same_config_resumes_on_its_own(digits_cfg, tmp_path, caplog):
+    train(digits_cfg("train.steps=2"), tmp_path / "r", progress=False)
+    caplog.set_level("INFO", logger="scaletrain")
+    s = train(digits_cfg("train.steps=4"), tmp_path / "r", progress=False)  # steps may change; nothing else did
+    assert s["start_step"] == 2 and s["resumed_from"].endswith("ckpt-00000002.pt")
+    assert any("resuming from ckpt-00000002.pt (step 2)" in r.getMessage() for r in caplog.records)
+
+
+def test_run_dir_that_is_a_file_is_one_line(digits_cfg, tmp_path):
+    (tmp_path / "r").write_text("")
+    with pytest.raises(RunError, match=r"--run-dir .*/r is a file, not a directory$"):
         train(digits_cfg("train.steps=2"), tmp_path / "r", progress=False)

@@ -1,16 +1,27 @@
-"""Atomic checkpoints, exact resume, safe load.
+"""Checkpoints you can trust and afford: atomic, written in the background; exact resume; safe load.
 
-A checkpoint is written to `ckpt-STEP.pt.tmp`, flushed to disk, then renamed
-to `ckpt-STEP.pt`; rename is atomic on POSIX file systems, so a crash leaves
+A checkpoint is serialised in memory (so a failed write knows the bytes it
+needed), written to `ckpt-STEP.pt.tmp`, flushed to disk, then renamed to
+`ckpt-STEP.pt`; rename is atomic on POSIX file systems, so a crash leaves
 either the old set of complete checkpoints or the new one, never a partial
-file under a loadable name. Loading uses weights_only=True.
+file under a loadable name. The training loop only pays for a copy of the
+state (`Writer`); a thread does the rest. A write that fails (a full disk)
+removes its partial file and training goes on; the run's last one must be
+written. Partial files of killed writes are removed at the next save or
+resume. Loading uses weights_only=True only, and a refused file is named with
+its reason in one line.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import re
+import shutil
+import threading
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,19 +54,117 @@ def list_complete(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def remove_stale(ckpt_dir: Path) -> None:
+    """Remove the partial files of writes that were killed; they are never loaded."""
+    if ckpt_dir.is_dir():
+        for p in ckpt_dir.glob("ckpt-*.pt.tmp"):
+            p.unlink(missing_ok=True)
+            log.info("removed %s, left by a checkpoint write that was interrupted", p)
+
+
+def write_file(path: Path, data: bytes | memoryview, what: str) -> None:
+    """Write data to path atomically (tmp, fsync, rename). On any error the partial file is
+    removed and CheckpointError names the path and the bytes it needed."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        # a partial file would keep the disk full for the writes that follow
+        tmp.unlink(missing_ok=True)
+        try:
+            free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        raise CheckpointError(f"{path}: cannot write {what} ({e.strerror or e}): it needs {len(data):,} bytes, "
+                              f"{free}; the partial file was removed") from None
+
+
 def save(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    """Write ckpt-STEP.pt and keep the newest `keep`. A complete file of that step is left as it
+    is (a run resumed where it had ended). CheckpointError (one line) when it cannot be written."""
     final = path_for(ckpt_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot create the checkpoint directory ({e.strerror})") from None
+    if final.exists():
+        try:
+            read(final)
+            log.info("%s is complete already; not written again", final)
+            return final
+        except CheckpointError:
+            pass  # damaged: replaced below
+    # Serialised in memory first, so a failed write can say how many bytes it needed.
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_file(final, buf.getbuffer(), "the checkpoint")
     for _, old in list_complete(ckpt_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return final
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of a state on the CPU that later training steps cannot change (they update the
+    model's and the optimizer's tensors in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class Writer:
+    """Writes checkpoints in a background thread, so that training does not wait for the file
+    system. The state is copied when submitted (a consistent snapshot of the agreed point); at
+    most one write is in flight, a new one waits for the previous. A write that fails is a
+    warning and training goes on; `finish` says whether the last one was written."""
+
+    def __init__(self, ckpt_dir: Path, keep: int) -> None:
+        self.dir, self.keep = ckpt_dir, keep
+        self.failed: str | None = None  # the newest write's error
+        self._thread: threading.Thread | None = None
+        self._first = True
+
+    def submit(self, step: int, state: dict[str, Any], final: bool = False) -> None:
+        """Snapshot `state` now and write it in the background. final: the run's last
+        checkpoint, whose failure `finish` reports (and no warning here)."""
+        self.join()
+        snap = snapshot(state)  # the cost the training loop pays: a copy, not a write
+        self._thread = threading.Thread(target=self._write, args=(step, snap, final), name="checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, state: dict[str, Any], final: bool) -> None:
+        try:
+            if self._first:
+                remove_stale(self.dir)
+                self._first = False
+            save(self.dir, step, state, self.keep)
+            self.failed = None
+        except Exception as e:  # noqa: BLE001 - reported on the main thread, never lost with the thread
+            self.failed = str(e) if isinstance(e, CheckpointError) else \
+                f"{path_for(self.dir, step)}: cannot write the checkpoint ({type(e).__name__}: {e})"
+            if not final:
+                log.warning("%s; training goes on", self.failed)
+
+    def join(self) -> None:
+        """Wait for the write in flight, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def finish(self) -> None:
+        """Wait for the write in flight; CheckpointError when the newest checkpoint was not written."""
+        self.join()
+        if self.failed:
+            raise CheckpointError(f"the run's last checkpoint was not written: {self.failed}")
 
 
 def _fsync_dir(d: Path) -> None:
@@ -66,17 +175,59 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:
-    """The newest checkpoint that loads; None when there is none."""
-    errors = []
-    for _, p in reversed(list_complete(ckpt_dir)):
+def unreadable_reason(path: Path, e: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in a few words (torch's own text is
+    pages long and may advise loading with weights_only=False)."""
+    if isinstance(e, OSError):
+        return f"cannot be read ({e.strerror or e})"
+    if not zipfile.is_zipfile(path):
+        return "truncated, or not written by torch.save (no complete zip archive)"
+    if isinstance(e, pickle.UnpicklingError):
+        return "holds Python objects other than tensors; refused, since loading them could run code"
+    return "corrupt (torch cannot read the data in its archive)"
+
+
+def read(path: Path) -> Any:
+    """torch.load with weights_only=True; CheckpointError naming the file and why it was refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal is one line naming the file
+        raise CheckpointError(f"{path}: {unreadable_reason(path, e)}") from None
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    state = read(path)
+    if not isinstance(state, dict) or not {"step", "config", "model"} <= state.keys():
+        raise CheckpointError(f"{path}: not a scaletrain checkpoint (no step, config or model)")
+    return state
+
+
+def newest(ckpt_dir: Path) -> tuple[dict[str, Any], Path, list[tuple[int, str]]] | None:
+    """The newest checkpoint that loads, its path, and the (step, reason) of each newer one that
+    does not; None when there is none. Partial files of interrupted writes are removed first."""
+    remove_stale(ckpt_dir)
+    bad: list[tuple[int, str]] = []
+    for step, p in reversed(list_complete(ckpt_dir)):
         try:
-            return torch.load(p, map_location="cpu", weights_only=True), p
-        except Exception as e:  # noqa: BLE001 - fall back to the previous one
-            errors.append(f"{p.name}: {e}")
-    if errors:
-        raise CheckpointError(f"no checkpoint in {ckpt_dir} could be read: " + "; ".join(errors))
+            return _read_checkpoint(p), p, bad
+        except CheckpointError as e:
+            bad.append((step, str(e)))
+    if bad:
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} could be read: " + "; ".join(r for _, r in bad))
     return None
+
+
+def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint that loads; None when there is none. Falling back to an older one
+    is a warning naming the newer ones, why they were refused, and the steps lost."""
+    found = newest(ckpt_dir)
+    if found is None:
+        return None
+    state, path, bad = found
+    if bad:
+        log.warning("%s; resuming from %s (step %d) instead: %d steps lost", "; ".join(r for _, r in bad),
+                    path.name, state["step"], bad[0][0] - state["step"])
+    return state, path
 
 
 def load_agreed(ckpt_dir: Path, distributed: bool) -> tuple[dict[str, Any], Path] | None:
@@ -105,9 +256,19 @@ def load_agreed(ckpt_dir: Path, distributed: bool) -> tuple[dict[str, Any], Path
         return found
     path = path_for(ckpt_dir, step)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True), path
-    except Exception as e:  # noqa: BLE001 - one line naming the file
-        raise CheckpointError(f"{path}: chosen by rank 0 but not readable here: {str(e).splitlines()[0]}") from None
+        return _read_checkpoint(path), path
+    except CheckpointError as e:
+        raise CheckpointError(f"chosen by rank 0 but not readable here: {e}") from None
+
+
+def check_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """CheckpointError naming the keys when `saved` (a checkpoint's config) differs from `current`
+    in a key that matters for resuming."""
+    diff = config_differences(saved, current)
+    if diff:
+        raise CheckpointError(f"{path} was written with another config; differing keys: " + ", ".join(
+            f"{k} ({saved.get(k)!r} -> {current.get(k)!r})" for k in diff)
+            + "; to start a new run, choose another --run-dir")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -153,11 +314,7 @@ def resume(ckpt_dir: Path, cfg, model: torch.nn.Module, optimizer, distributed: 
         log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt_dir)
         return None
     state, path = found
-    current = cfg.flat()
-    diff = config_differences(state["config"], current)
-    if diff:
-        raise CheckpointError(f"{path} was written with another config; differing keys: " + ", ".join(
-            f"{k} ({state['config'].get(k)!r} -> {current.get(k)!r})" for k in diff))
+    check_config(path, state["config"], cfg.flat())
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])

@@ -44,7 +44,7 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
     if not cfg.distributed:
         return train(cfg, run_dir, resume=resume, progress=progress)
-    prepare_run_dir(run_dir, resume, cfg)
+    resume = prepare_run_dir(run_dir, resume, cfg)
     if launch_env.in_torchrun() or launch_env.in_slurm_step():
         from .launch.entry import exit_now, run
 

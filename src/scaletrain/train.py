@@ -63,12 +63,27 @@ def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
     return s
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> None:
-    """Checks made before any process starts, then the directory."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume and checkpoint.list_complete(run_dir / "checkpoints"):
-        raise RunError(f"{run_dir} already holds checkpoints of a run; pass --resume to continue it "
-                       "or choose another --run-dir")
+def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
+    """Checks made before any process starts (and before a launcher writes config.toml, so a
+    refused run leaves the directory as it was), then the directory. Returns whether the run
+    continues from a checkpoint: with --resume, or on its own when the directory holds a
+    checkpoint written with this config (one with another config is refused, naming the keys)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--run-dir {run_dir}: cannot create it ({e.strerror})") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise RunError(f"--run-dir {run_dir} is not writable")
+    found = checkpoint.newest(run_dir / "checkpoints")  # quiet: the resume itself warns of a fallback
+    if found is None:
+        return resume
+    state, path, _ = found
+    checkpoint.check_config(path, state["config"], cfg.flat())
+    if not resume:
+        log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name, state["step"])
+    return True
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
@@ -76,7 +91,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     """Run the worker loop of this process; returns the summary (the chief writes it)."""
     ctx, run_dir = ctx or single(), Path(run_dir)
     if not ctx.distributed:  # a launcher checked it before starting the processes
-        prepare_run_dir(run_dir, resume, cfg)
+        resume = prepare_run_dir(run_dir, resume, cfg)
     setup_process(cfg)
     device = pick_device(cfg) if ctx.me.device == "cpu" or not ctx.distributed else torch.device(ctx.me.device)
     torch.manual_seed(cfg.train.seed)
@@ -153,6 +168,7 @@ class Run:
         self.images0 = self.last_point = resumed.images if resumed else 0
         self.clock = JobClock(self.images0, cfg.train.warmup_log_steps * sched.step_images)
         self.rec = Recorder(run_dir) if self.chief else None
+        self.writer = checkpoint.Writer(run_dir / "checkpoints", cfg.train.keep_checkpoints) if self.chief else None
         self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
                             every=cfg.train.log_every)
         workers = len(ctx.plan.workers)
@@ -255,7 +271,8 @@ class Run:
         return res
 
     def _checkpoint(self, tick: Tick) -> None:
-        """The chief takes every shard's state while the others wait, then writes it alone."""
+        """The chief takes every shard's state while the others wait, then copies it for its
+        writer thread (the previous write done first); training goes on while it is written."""
         with self.strategy.latest() if self.chief else nullcontext():
             state = {"step": self.sched.step_of(tick.images), "images": tick.images,
                      "model": self.model.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
@@ -264,13 +281,14 @@ class Run:
             if self.group is not None:
                 dist.barrier(group=self.group)  # collective: no pusher moves on before the shards' state is taken
             if self.chief:
-                checkpoint.save(self.run_dir / "checkpoints", state["step"], state,
-                                keep=self.cfg.train.keep_checkpoints)
+                self.writer.submit(state["step"], state, final=tick.stop)
 
     def close(self) -> None:
         self.bar.close()
         if self.rec:
             self.rec.close()
+        if self.writer:
+            self.writer.join()  # the process must not exit halfway through a checkpoint
 
     def summarize(self, tick: Tick, train_images: int, test_images: int) -> dict[str, Any]:
         """Gather every process's figures; the chief writes model.safetensors and summary.json."""
@@ -281,6 +299,7 @@ class Run:
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if not self.chief:
             return {}
+        self.writer.finish()  # a run whose last checkpoint is not on disk failed
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
             "wall_seconds": self.clock.wall(), "eval_seconds": self.clock.paused,

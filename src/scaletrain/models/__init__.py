@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint import CheckpointError, read
 from ..errors import PretrainedError
 from .resnet import ResNet, resnet
 
@@ -31,13 +32,15 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except Exception:  # noqa: BLE001 - the library's text names no file
+            raise PretrainedError(f"model.init_from: {path} is not a readable safetensors file "
+                                  "(truncated or corrupt)") from None
     try:
-        # weights_only: a pickle can run code; a state dict never needs to.
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any refusal is reported the same way
-        raise PretrainedError(f"model.init_from: {path} is not a plain tensor state dict "
-                              f"(loaded with weights_only=True): {e}") from None
+        obj = read(path)  # weights_only: a pickle can run code; a state dict never needs to
+    except CheckpointError as e:
+        raise PretrainedError(f"model.init_from: {e}") from None
     for key in ("state_dict", "model"):  # common checkpoint wrappers
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
