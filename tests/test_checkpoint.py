@@ -135,3 +135,25 @@ def test_run_dir_that_is_a_file_is_one_line(digits_cfg, tmp_path):
     (tmp_path / "r").write_text("")
     with pytest.raises(RunError, match=r"--run-dir .*/r is a file, not a directory$"):
         train(digits_cfg("train.steps=2"), tmp_path / "r", progress=False)
+
+
+def test_refused_resume_leaves_config_toml_as_it_was(digits_cfg, tmp_path, capsys):
+    """Another cluster shape: refused before any launcher writes RUN_DIR/config.toml, with
+    --resume or without."""
+    from scaletrain.cli import main
+
+    from conftest import RECIPES
+
+    run_dir = tmp_path / "r"
+    train(digits_cfg("train.steps=2"), run_dir, progress=False)
+    config = (run_dir / "config.toml").read_text()
+    for resume in ([], ["--resume"]):
+        rc = main(["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet", *resume,
+                   "--set", "data.workers=0", "--set", "train.log_every=5", "--set", "train.steps=2",
+                   "--set", "cluster.nodes=2"])
+        err = capsys.readouterr().err
+        assert rc == 1, err
+        [line] = [x for x in err.splitlines() if x.startswith("scaletrain")]
+        assert "differing keys: cluster.nodes (1 -> 2); to start a new run, choose another --run-dir" in line, line
+        assert (run_dir / "config.toml").read_text() == config
+    assert not (run_dir / "logs").exists()  # no process was started

@@ -10,12 +10,12 @@ bytes); what is listed per process is labelled so.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .checkpoint import write_file
 from .ps.server import HIST_BINS
 
 FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
@@ -122,14 +122,14 @@ def _mean(xs) -> float:
 
 def write_summary(run_dir: Path, model: torch.nn.Module, fields: dict, cfg, ctx, device, job: dict,
                   strategy_stats: dict) -> dict:
-    """The chief's model.safetensors and summary.json (each written atomically)."""
-    from safetensors.torch import save_file
+    """The chief's model.safetensors and summary.json (each written atomically; a file that
+    does not fit is CheckpointError, one line naming it and the bytes it needs)."""
+    from safetensors.torch import save
 
     from .metrics import run_info
 
-    tmp = run_dir / "model.safetensors.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, run_dir / "model.safetensors")
+    write_file(run_dir / "model.safetensors",
+               save({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}), "the final weights")
     c = cfg.cluster
     summary = {
         **fields, "model": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
@@ -137,7 +137,5 @@ def write_summary(run_dir: Path, model: torch.nn.Module, fields: dict, cfg, ctx,
         "ps_placement": c.ps_placement, "replicas": len(ctx.plan.workers), "nodes_total": ctx.plan.nodes_total,
         **run_info(device), **job, **strategy_stats,
     }
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, run_dir / "summary.json")
+    write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), "the summary")
     return summary

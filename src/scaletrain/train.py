@@ -297,9 +297,10 @@ class Run:
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=self.compute_s,
                     intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images)
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
+        if self.writer:
+            self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it
         if not self.chief:
             return {}
-        self.writer.finish()  # a run whose last checkpoint is not on disk failed
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
             "wall_seconds": self.clock.wall(), "eval_seconds": self.clock.paused,
