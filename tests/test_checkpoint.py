@@ -126,7 +126,9 @@ def test_incompatible_checkpoint_refused_naming_keys(digits_cfg, tmp_path):
 def test_same_config_resumes_on_its_own(digits_cfg, tmp_path, caplog):
     train(digits_cfg("train.steps=2"), tmp_path / "r", progress=False)
     caplog.set_level("INFO", logger="scaletrain")
+    (tmp_path / "r" / "model.safetensors.tmp").write_bytes(b"half")  # a killed run's weights, half written
     s = train(digits_cfg("train.steps=4"), tmp_path / "r", progress=False)  # steps may change; nothing else did
+    assert not list((tmp_path / "r").rglob("*.tmp"))
     assert s["start_step"] == 2 and s["resumed_from"].endswith("ckpt-00000002.pt")
     assert any("resuming from ckpt-00000002.pt (step 2)" in r.getMessage() for r in caplog.records)
 

@@ -76,6 +76,8 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
         raise RunError(f"--run-dir {run_dir}: cannot create it ({e.strerror})") from None
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise RunError(f"--run-dir {run_dir} is not writable")
+    for stale in run_dir.glob("*.tmp"):  # model.safetensors or summary.json of a killed run, half written
+        stale.unlink()
     found = checkpoint.newest(run_dir / "checkpoints")  # quiet: the resume itself warns of a fallback
     if found is None:
         return resume
