@@ -26,6 +26,13 @@ What the script asks of Slurm, and why:
   logs/slurm-JOB.out; Slurm would truncate it at each start otherwise.
 - --time, --partition, --account: as given.
 
+When a task ends, srun gives the others cluster.timeout_s + 5 s to end on
+their own, as the local launcher does (their heartbeats see a lost peer in
+timeout_s and say which), then kills them. It does not kill them at the first
+non-zero status (--kill-on-bad-exit): after a stop at a checkpoint every task
+exits 75 a moment apart, and one killed on its way out would turn the step's
+status into 137 and lose the requeue.
+
 Signals in the batch step: srun forwards SIGUSR1 to its tasks but answers
 SIGTERM by killing the step, with no checkpoint. So `run_job` forwards both
 with `scancel --signal=SIG JOB.STEP`, which delivers the signal and nothing
@@ -198,8 +205,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
           f"rendezvous {hosts[0]}:{port}", flush=True)
     name = f"scaletrain-{job}-{os.getpid()}"  # how the signal forwarder finds this step
     cmd = ["srun", f"--job-name={name}", f"--ntasks={plan.world_size}", f"--nodes={plan.nodes_total}",
-           f"--cpus-per-task={cpus_per_task(cfg)}", "--distribution=arbitrary", "--kill-on-bad-exit=1",
-           "--overcommit", sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
+           f"--cpus-per-task={cpus_per_task(cfg)}", "--distribution=arbitrary", "--kill-on-bad-exit=0",
+           f"--wait={int(cfg.cluster.timeout_s) + 5}", "--overcommit", sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
     cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     env = dict(os.environ, SLURM_HOSTFILE=str(hostfile), SCALETRAIN_THREADS=str(max(1, cfg.train.threads)))
     step: list[subprocess.Popen] = []
