@@ -24,7 +24,8 @@ PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
 # Keys that may change between a run and its resumption: how long to run and
 # how often to report, not what is being computed.
 RESUMABLE_CHANGES = {
-    "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every",
+    "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every", "train.checkpoint_every_s",
+    "cluster.max_restarts", "cluster.stop_signals",
     "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps", "train.target_accuracy",
     "train.target_loss",
     "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .config import field_docs, load_config
-from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError
+from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError, Stopped
 from .plan import format_table, node_line
 from .run import run_dir_for, run_training
 
@@ -121,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
+    except Stopped as e:
+        print(f"scaletrain: {e}", file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt as e:
+        print(f"scaletrain: interrupted; {e or 'the newest checkpoint in ' + str(run_dir / 'checkpoints') + ' is complete'}",
               file=sys.stderr)
         return 130
     print(f"run dir: {run_dir}")

@@ -97,6 +97,8 @@ class TrainConfig:
                              "since the previous one is at most this (0 = off; >=0)", lo=0.0, hi=1e6)
     checkpoint_every: int = opt(0, "save a checkpoint every this many job steps (0 = only at the end)",
                                 lo=0, hi=10**9)
+    checkpoint_every_s: float = opt(0.0, "also checkpoint at the first agreed step after this many seconds of the job "
+                                    "since the last checkpoint (0 = off), seconds", lo=0.0, hi=1e7)
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk (1..100)", lo=1, hi=100)
     log_every: int = opt(10, "write a metrics row every this many job steps (1..10^6)", lo=1, hi=10**6)
     warmup_log_steps: int = opt(2, "first job steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
@@ -118,6 +120,10 @@ class ClusterConfig:
     timeout_s: float = opt(60.0, "liveness: a process silent (dead or frozen) this long is lost and the job "
                            "stops; also the rendezvous wait; healthy work may take any time, seconds (1..86400)",
                            lo=1.0, hi=86400.0)
+    max_restarts: int = opt(0, "restart a failed job from its newest complete checkpoint up to this many times "
+                            "(local launcher and Slurm job step; 0..1000)", lo=0, hi=1000)
+    stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop the job after a checkpoint at the next step all "
+                            "processes agree on (comma-separated; Ctrl-C/SIGINT always does)")
     master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
     master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
                            lo=0, hi=65535)
@@ -158,6 +164,7 @@ class Config:
         return build_config(self.to_dict(), [f"{k}={_toml_value(v)}" for k, v in overrides.items()])
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGQUIT", "SIGXCPU")
 SECTIONS = {f.name: f.type for f in fields(Config)}
 
 
@@ -253,6 +260,10 @@ def _check_relations(cfg: Config) -> None:
     if (t.target_accuracy or t.target_loss) and not t.eval_every:
         raise ConfigError("train.target_accuracy / train.target_loss are checked at evaluations: "
                           "set train.eval_every > 0")
+    for name in filter(None, c.stop_signals.split(",")):
+        if name.strip() not in STOP_SIGNALS:
+            raise ConfigError(f"cluster.stop_signals = {c.stop_signals!r}: {name.strip()!r} is not one of "
+                              f"{', '.join(STOP_SIGNALS)}")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:

@@ -13,7 +13,15 @@ in every process increments the counter `hb/RANK` in the rendezvous store
 and reads everyone's; a peer whose counter has not moved for STALE_S + 
 cluster.timeout_s of the reader's own clock is dead or frozen, and the
 reader exits naming it, so no process waits forever on a lost one. Counters,
-not timestamps: the hosts' clocks are never compared.
+not timestamps: the hosts' clocks are never compared. A process that fails
+says so in the store (`failed/RANK`, `abort`): its peers exit at once, naming
+it, instead of waiting out the timeout.
+
+Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
+`Context.requests` of the process that got it; the heartbeat thread puts a
+stop in the store (`stop`) and copies one found there into its own process,
+so a signal sent to any one process reaches all of them within a heartbeat
+or two. The strategies carry the bits to an agreed step (train.py).
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ import datetime
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -37,6 +47,9 @@ log = logging.getLogger("scaletrain")
 HEARTBEAT_S = 0.5
 STALE_S = 3.0  # a counter still this long marks its rank as missing
 OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receive: no limit below hours
+CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
+EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
+EXIT_STOPPED = 75  # exit status of a job stopped on request after its checkpoint (EX_TEMPFAIL: run it again)
 
 
 class PeerLost(RuntimeError):
@@ -57,7 +70,11 @@ class Context:
     node_group: object = None     # workers of this node (None when alone)
     workers_group: object = None  # all workers (None when alone)
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
+    requests: int = 0  # CHECKPOINT | STOP bits asked of this process and not yet agreed
+    stop_signal: str = ""  # the signal that asked for the stop, as the process that got it named it
+    note: str = ""  # file where this process writes the ranks it left because of (for its launcher)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _finishing: threading.Event = field(default_factory=threading.Event)  # in the final barrier: rank 0 may leave
     _thread: threading.Thread | None = None
 
     @property
@@ -89,7 +106,8 @@ class Context:
         if not self.gone:
             return None
         who = ", ".join(self.describe(r) for r in self.gone)
-        return PeerLost(f"{self.describe(self.rank)}: lost contact with {who}: {str(err).splitlines()[0]}")
+        log.debug("the operation that failed: %s", err)  # gloo's own words stay out of the user's line
+        return PeerLost(f"{self.describe(self.rank)}: lost contact with {who}")
 
 
 def _store():
@@ -216,15 +234,22 @@ class _Liveness:
 
 def _heartbeat(ctx: Context) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, lost_since = _store(), None
+    store, lost_since, failures = _store(), None, 0
     live = _Liveness(ctx)
     while not ctx._stop.wait(HEARTBEAT_S):
         try:
             store.add(f"hb/{ctx.rank}", 1)
+            _share_stop(ctx, store)
+            if store.add("failed", 0) > failures:  # a peer announced its failure: no need to wait it out
+                failures = store.add("failed", 0)
+                _leave(ctx, store, _failed(ctx, store), "failed")
             gone = live.missing(store)
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             # Rank 0 may have left because of a peer already seen missing: name that one first.
             gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
+            if not ctx._finishing.is_set():  # a closed connection is no frozen peer: nothing to wait for
+                _leave(ctx, None, gone, "left (the rendezvous store closed)")
+            store = None
         ctx.gone = gone
         if not gone:
             lost_since = None
@@ -233,16 +258,70 @@ def _heartbeat(ctx: Context) -> None:
         if time.monotonic() - lost_since > ctx.timeout_s:
             # The main thread may be blocked inside a collective that will
             # not return; this is the only way out within the timeout.
-            names = ", ".join(ctx.describe(r) for r in gone)
-            print(f"scaletrain: error: {ctx.describe(ctx.rank)}: no heartbeat from {names} for "
-                  f"{ctx.timeout_s:.0f} s; exiting", file=sys.stderr, flush=True)
-            os._exit(3)
+            _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+
+
+def _share_stop(ctx: Context, store) -> None:
+    if ctx.requests & STOP:
+        if not store.check(["stop"]):
+            store.set("stop", ctx.stop_signal or "a stop request")
+    elif store.check(["stop"]):
+        ctx.stop_signal = ctx.stop_signal or store.get("stop").decode()
+        ctx.requests |= STOP | CHECKPOINT
+
+
+def _failed(ctx: Context, store) -> list[int]:
+    """The processes that failed first, as the peers that announced a failure named them."""
+    out = []
+    for r in range(ctx.plan.world_size):
+        if r != ctx.rank and store.check([f"failed/{r}"]):
+            out += [int(x) for x in store.get(f"failed/{r}").decode().split(",") if int(x) not in out]
+    return [r for r in out if r != ctx.rank] or out
+
+
+def _leave(ctx: Context, store, culprits: list[int], what: str) -> None:
+    """Exit this process at once (from the heartbeat thread), naming the peers it left because of."""
+    if not culprits:
+        return
+    write_note(ctx, culprits)
+    if store is not None:
+        _announce(store, ctx.rank, culprits)
+        _linger(ctx)
+    names = ", ".join(ctx.describe(r) for r in culprits)
+    print(f"scaletrain: error: {ctx.describe(ctx.rank)}: {names} {what}; exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER)
+
+
+def write_note(ctx: Context, culprits: list[int]) -> None:
+    """Tell the launcher which peers this process left because of: it kills a frozen one at once."""
+    if ctx.note:
+        try:
+            with open(ctx.note, "w") as fh:
+                fh.write(",".join(map(str, culprits)) + "\n")
+        except OSError:
+            pass
+
+
+def _linger(ctx: Context) -> None:
+    """Rank 0 serves the store: it stays long enough for every peer to read what it announced."""
+    if ctx.rank == 0:
+        time.sleep(2 * HEARTBEAT_S + 0.5)
+
+
+def _announce(store, rank: int, culprits: list[int]) -> None:
+    try:
+        if not store.check([f"failed/{rank}"]):
+            store.set(f"failed/{rank}", ",".join(map(str, culprits)))
+            store.add("failed", 1)
+    except Exception:  # noqa: BLE001 - the store is gone with rank 0; the heartbeats will tell
+        pass
 
 
 def finish(ctx: Context) -> None:
     """Mark this process done, wait for all, and leave the world."""
     if not ctx.distributed:
         return
+    ctx._finishing.set()
     dist.barrier()  # untimed: the heartbeats still watch for a peer lost before it gets here
     ctx._stop.set()
     ctx._thread.join()  # the store client is not shared across threads
@@ -253,10 +332,40 @@ def finish(ctx: Context) -> None:
     dist.destroy_process_group()
 
 
-def abort(ctx: Context) -> None:
+def abort(ctx: Context, culprits: list[int] | None = None) -> None:
+    """Leave after a failure: say in the store who failed (this process unless `culprits`
+    names the peers it lost), so the others stop at once, then drop the process groups."""
     ctx._stop.set()
+    if ctx._thread is not None:
+        ctx._thread.join()  # the store client is the heartbeat's until it ends
+        _announce(_store(), ctx.rank, culprits or [ctx.rank])
+        _linger(ctx)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already broken
             pass
+
+
+@contextmanager
+def stop_signals(ctx: Context, names: str, escalate: bool):
+    """While inside: the job's stop signals and Ctrl-C ask this process for a checkpoint and a
+    stop at the next agreed step, instead of killing it. escalate: a second Ctrl-C interrupts
+    at once (a process with no launcher above it; a launcher escalates for its children)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, frame):
+        if escalate and signum == signal.SIGINT and ctx.requests & STOP:
+            raise KeyboardInterrupt
+        ctx.stop_signal = ctx.stop_signal or signal.Signals(signum).name
+        ctx.requests |= STOP | CHECKPOINT
+
+    sigs = {getattr(signal, n.strip()) for n in names.split(",") if n.strip()} | {signal.SIGINT}
+    before = {s: signal.signal(s, on_signal) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

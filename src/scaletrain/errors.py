@@ -54,5 +54,15 @@ class ModelError(ValueError):
     """A configuration the performance model cannot predict with this profile; str() is one line."""
 
 
+class Stopped(Exception):
+    """The job stopped on request (a stop signal) after checkpointing at an agreed step; str() says
+    where it stands in one line. `status` is the exit status that says so: 130 for Ctrl-C, else 75
+    (EX_TEMPFAIL: run the same command again to continue)."""
+
+    def __init__(self, message: str, status: int = 75) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 # Raised while a job runs, from inputs the user controls: printed as one line with exit status 1.
 USER_ERRORS = (RunError, DataError, PretrainedError, CheckpointError)

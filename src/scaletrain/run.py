@@ -6,17 +6,20 @@ Where the job runs follows from the config and from where this process is:
   and exits;
 - inside a Slurm allocation, one srun step starts every process of the plan;
 - otherwise the local launcher starts them all on this machine.
-torch is imported only once a job is about to run.
+A job that fails is started again from its newest complete checkpoint, up
+to cluster.max_restarts times. torch is imported only once a job is about
+to run.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .errors import LaunchError, RunError
+from .errors import LaunchError, RunError, Stopped
 from .launch import env as launch_env
 
 
@@ -35,7 +38,8 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     """Train cfg into run_dir; the run's summary (summary.json).
 
     Raises PlanError or LaunchError (a job that cannot start as asked), one of
-    errors.USER_ERRORS (a job that failed; str() is one line), and
+    errors.USER_ERRORS (a job that failed; str() is one line), Stopped (a stop
+    signal: every process checkpointed at one step and stopped) and
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
     plan_node: under torchrun, this agent's node index in the plan.
     """
@@ -50,15 +54,48 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
 
         exit_now(run(cfg, run_dir, resume, progress, node=plan_node))
     if launch_env.in_slurm_allocation():
-        from .launch.slurm import run_job
-
-        rc = run_job(cfg, run_dir, resume, progress)
+        from .launch.slurm import run_job as start
     else:
-        from .launch.local import launch
+        from .launch.local import launch as start
+    restarts, failure = 0, run_dir / "logs" / "failure.txt"
+    while True:
+        failure.unlink(missing_ok=True)
+        rc = start(cfg, run_dir, resume=resume, progress=progress)
+        if rc == 0:
+            return json.loads((run_dir / "summary.json").read_text())
+        if rc in (EXIT_STOPPED, 130):  # the launcher saw every process stop on request
+            raise (KeyboardInterrupt if rc == 130 else Stopped)(_where(run_dir))
+        what = failure.read_text().strip() if failure.exists() else f"exit status {rc}"
+        if restarts >= cfg.cluster.max_restarts:
+            raise RunError(f"the job failed: {what}" + (f" (after {restarts} restarts)" if restarts else "")
+                           + f"; logs in {run_dir / 'logs'}")
+        restarts += 1
+        resume = bool(_checkpoints(run_dir))
+        print(f"scaletrain: {what}; restart {restarts} of {cfg.cluster.max_restarts}: "
+              f"{_where(run_dir, lost=True)}", file=sys.stderr, flush=True)
 
-        rc = launch(cfg, run_dir, resume=resume, progress=progress)
-    if rc == 130:  # the launcher caught Ctrl-C and stopped every process
-        raise KeyboardInterrupt
-    if rc:
-        raise RunError(f"the job failed (exit status {rc}); logs in {run_dir / 'logs'}")
-    return json.loads((run_dir / "summary.json").read_text())
+
+EXIT_STOPPED = 75  # dist.EXIT_STOPPED, without importing torch
+
+
+def _checkpoints(run_dir: Path) -> list[int]:
+    from .checkpoint import list_complete
+
+    return [step for step, _ in list_complete(run_dir / "checkpoints")]
+
+
+def _where(run_dir: Path, lost: bool = False) -> str:
+    """Where a stopped or failed job stands: its newest checkpoint, and the steps done since."""
+    steps = _checkpoints(run_dir)
+    last = 0
+    try:
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+        last = max((json.loads(r).get("step", 0) for r in rows[-50:] if r.strip()), default=0)
+    except (OSError, ValueError):
+        pass
+    if not steps:
+        return f"no checkpoint yet: starting again from step 0 ({last} steps lost)" if lost else \
+            "stopped before its first checkpoint"
+    if lost:
+        return f"resuming from the checkpoint of step {steps[-1]} ({max(last - steps[-1], 0)} logged steps lost)"
+    return f"stopped at step {steps[-1]}; its checkpoint is complete; the same command continues the run"

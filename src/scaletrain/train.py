@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,12 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import checkpoint, schedule, stats
 from .config import Config, dump_toml
 from .data import Batch, DataError, build_datasets, test_loader, train_loader
-from .dist import Context, single
-from .errors import RunError
+from .dist import CHECKPOINT, STOP, Context, single, stop_signals
+from .errors import RunError, Stopped
 from .metrics import JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
@@ -73,8 +75,14 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> None:
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
           ctx: Context | None = None) -> dict[str, Any]:
-    """Run the worker loop of this process; returns the summary (the chief writes it)."""
+    """Run the worker loop of this process; returns the summary (the chief writes it).
+    Raises Stopped when a stop signal ended the job early (after its checkpoint)."""
     ctx, run_dir = ctx or single(), Path(run_dir)
+    with stop_signals(ctx, cfg.cluster.stop_signals, escalate=not ctx.distributed):
+        return _train(cfg, run_dir, resume, progress, ctx)
+
+
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Context) -> dict[str, Any]:
     if not ctx.distributed:  # a launcher checked it before starting the processes
         prepare_run_dir(run_dir, resume, cfg)
     setup_process(cfg)
@@ -95,6 +103,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     strategy = build_strategy(cfg, ctx, model, opt, sched)
     if resumed is not None:
         strategy.restore(resumed.state)
+        load_replica_buffers(model, resumed.state.get("replica_buffers"), ctx.me.index)
         resumed.state = None  # the model, optimizer and strategy hold it now
     run = Run(cfg, ctx, run_dir, model, strategy, sched, device, len(train_set), test_set, resumed, progress)
     tick = Tick(run.images0, False, run.images0 >= sched.target)
@@ -133,11 +142,17 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
             run.after_step(before, tick, loss.detach(), len(y), lr)
             if tick.hold:
                 tick = run.point(tick)
-        strategy.finish()  # after the last snapshot: the PS stop when every pusher has finished
+        sig = signal.Signals.__members__.get(run.stopped)
+        strategy.finish(stopped=(sig.value if sig else -1) if run.stopped else 0)  # after the last snapshot: the PS stop when every pusher has
     finally:
         run.close()
         del batches  # stops loader worker processes
-    return run.summarize(tick, len(train_set), len(test_set))
+    summary = run.summarize(tick, len(train_set), len(test_set))
+    if run.stopped:
+        step = sched.step_of(tick.images)
+        raise Stopped(f"stopped by {run.stopped} at step {step} of {sched.steps}; the checkpoint of step {step} "
+                      f"is in {run_dir / 'checkpoints'}", 130 if run.stopped == "SIGINT" else 75)
+    return summary
 
 
 class Run:
@@ -163,6 +178,8 @@ class Run:
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
         self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
+        self.stopped = ""  # the signal that stopped the job before its end
+        self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
 
     def usable(self, batch: Batch):
         """The batch on the device, without images that could not be read (on_bad_image)."""
@@ -200,21 +217,31 @@ class Run:
             self.bar.update(step, self.last_loss, rate or 0.0)
         else:
             self.clock.tick(tick.images, close=False)
+        every = self.cfg.train.checkpoint_every_s
+        if self.chief and every and self.clock.wall() - self.saved_at >= every:
+            self.ctx.requests |= CHECKPOINT  # the strategy carries it to an agreed step
 
     def epoch(self, images: int) -> float:
         return images / (self.sched.step_images * self.per_epoch)
 
     def point(self, tick: Tick) -> Tick:
-        """An agreed point: every worker is here with the same values. Evaluate, decide whether
-        the job stops (its target, or a target accuracy or loss reached), checkpoint."""
+        """An agreed point: every worker is here with the same values. Decide together whether to
+        evaluate, checkpoint and stop (the job's target, a target accuracy or loss reached, or a stop
+        asked of any process), then do it."""
         s, t = self.sched, self.cfg.train
+        at_eval = tick.stop or s.crossed(t.eval_every, self.last_point, tick.images)
+        job_loss, asked = self._reduce(reset=at_eval)  # collective: returns once every worker has arrived
+        self.ctx.requests &= ~CHECKPOINT
         stop = tick.stop
-        evaluate = stop or s.crossed(t.eval_every, self.last_point, tick.images)
-        save = stop or s.crossed(t.checkpoint_every, self.last_point, tick.images)
+        if asked & STOP and not stop:  # stopped before the end: checkpoint, no evaluation
+            self.ctx.requests |= STOP
+            self.stopped = self._signal_name()
+            self.bar.message(f"step {s.step_of(tick.images)}: {self.stopped}: checkpointing and stopping")
+            stop = True
+        save = stop or asked & CHECKPOINT or s.crossed(t.checkpoint_every, self.last_point, tick.images)
         self.last_point = tick.images
-        job_loss = self._reduce_loss(reset=evaluate)  # collective: returns once every worker has arrived
         at = self.clock.t  # the point is where this tick reached it
-        if evaluate:
+        if at_eval and not self.stopped:
             self.clock.pause()  # evaluation is not training time
             res = self._evaluate(tick, at)
             self.clock.resume()
@@ -224,20 +251,34 @@ class Run:
                 self.target = {"time_to_target": at, "images_to_target": tick.images,
                                "steps_to_target": s.step_of(tick.images)}
                 self.bar.message(f"step {s.step_of(tick.images)}: target reached; stopping")
-                stop = True
-        if save or stop:
+                stop = save = True
+        if save:
             self._checkpoint(tick)
+            self.saved_at = self.clock.wall()
         return Tick(tick.images, True, stop)
 
-    def _reduce_loss(self, reset: bool) -> float:
-        """Mean train loss of every replica since the last evaluation."""
-        sums = self.losses[1].clone()
+    def _reduce(self, reset: bool) -> tuple[float, int]:
+        """Mean train loss of every replica since the last evaluation, and the requests
+        (CHECKPOINT, STOP) any of them holds."""
+        r = self.ctx.requests
+        sums = torch.cat([self.losses[1], torch.tensor([r & CHECKPOINT, r & STOP], dtype=torch.float64,
+                                                       device=self.device)])
         if self.group is not None:
             dist.all_reduce(sums, group=self.group)  # collective over the workers
         if reset:
             self.losses[1].zero_()
-        total, n = sums.tolist()
-        return total / n if n else math.nan
+        total, n, checkpoint_, stop = sums.tolist()
+        return (total / n if n else math.nan), (CHECKPOINT if checkpoint_ else 0) | (STOP if stop else 0)
+
+    def _signal_name(self) -> str:
+        """The stop signal's name, as one of the workers got it (the others may have heard only
+        of the stop)."""
+        sig = signal.Signals.__members__.get(self.ctx.stop_signal)
+        num = torch.tensor([sig.value if sig else 0], device=self.device)
+        if self.group is not None:
+            dist.all_reduce(num, op=dist.ReduceOp.MAX, group=self.group)  # collective: all stop here
+        self.ctx.stop_signal = signal.Signals(int(num)).name if int(num) else "a stop request"
+        return self.ctx.stop_signal
 
     def _evaluate(self, tick: Tick, at: float) -> dict[str, float]:
         if self.evaluation is None:
@@ -255,14 +296,21 @@ class Run:
         return res
 
     def _checkpoint(self, tick: Tick) -> None:
-        """The chief takes every shard's state while the others wait, then writes it alone."""
+        """The chief takes every shard's state while the others wait, then writes it alone, with
+        every replica's BatchNorm statistics: each replica keeps its own between evaluations, so
+        a resumed job goes on exactly as an uninterrupted one."""
         with self.strategy.latest() if self.chief else nullcontext():
             state = {"step": self.sched.step_of(tick.images), "images": tick.images,
                      "model": self.model.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
                      "rng": checkpoint.rng_state(), "config": self.cfg.flat(), "best_test_accuracy": self.best,
                      "bad": sorted(self.bad), **self.strategy.snapshot()} if self.chief else None
             if self.group is not None:
-                dist.barrier(group=self.group)  # collective: no pusher moves on before the shards' state is taken
+                # Collective over the workers; it is also the barrier: no pusher moves on before the
+                # shards' state is taken.
+                buffers = replica_buffers(self.model, self.group, len(self.ctx.plan.workers),
+                                          self.ctx.plan.workers[0].rank, self.chief)
+                if self.chief:
+                    state["replica_buffers"] = buffers
             if self.chief:
                 checkpoint.save(self.run_dir / "checkpoints", state["step"], state,
                                 keep=self.cfg.train.keep_checkpoints)
@@ -279,7 +327,7 @@ class Run:
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=self.compute_s,
                     intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images)
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
-        if not self.chief:
+        if not self.chief or self.stopped:  # a stopped run is not over: its checkpoint is its record
             return {}
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
@@ -292,6 +340,30 @@ class Run:
             "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())
+
+
+def _float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_chief: bool):
+    """Every replica's floating buffers (BatchNorm statistics) as flat tensors, on the chief
+    (None elsewhere); a collective over the workers."""
+    bufs = _float_buffers(model)
+    flat = _flatten_dense_tensors(bufs) if bufs else torch.zeros(1, device=next(model.parameters()).device)
+    out = [torch.empty_like(flat) for _ in range(workers)] if is_chief else None
+    dist.gather(flat, out, dst=chief, group=group)  # collective over the workers
+    return [t.cpu() for t in out] if is_chief else None
+
+
+def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | None, index: int) -> None:
+    """Put back this replica's own buffers from a checkpoint (see replica_buffers)."""
+    bufs = _float_buffers(model)
+    if not saved or not bufs or index >= len(saved):
+        return
+    with torch.no_grad():
+        for b, v in zip(bufs, _unflatten_dense_tensors(saved[index].to(bufs[0].device), bufs)):
+            b.copy_(v)
 
 
 def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group, workers: int) -> dict[str, float]:

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from .. import dist as sdist
 from .. import stats
-from ..errors import USER_ERRORS
+from ..errors import USER_ERRORS, Stopped
 from ..config import load_config
 from ..ps.server import run_shard
 from ..train import train
@@ -45,11 +46,22 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
     except (sdist.PeerLost, sdist.PortInUse) as e:
         print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
+    ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
     try:
         if ctx.me.role == "ps":
-            stats.gather(ctx, run_shard(cfg, ctx, run_dir, resume))
+            with sdist.stop_signals(ctx, cfg.cluster.stop_signals, escalate=False):  # the workers decide
+                figures = run_shard(cfg, ctx, run_dir, resume)
+            stopped, step = figures.pop("stopped"), figures.pop("step")
+            stats.gather(ctx, figures)
+            if stopped:
+                name = signal.Signals(stopped).name if stopped > 0 else "a stop request"
+                raise Stopped(f"stopped by {name} at step {step}", 130 if name == "SIGINT" else sdist.EXIT_STOPPED)
         else:
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
+    except Stopped as e:  # every process stopped at the same agreed step, after the checkpoint
+        logging.getLogger("scaletrain").info("%s: %s", ctx.describe(rank), e)
+        sdist.finish(ctx)
+        return e.status
     except USER_ERRORS as e:
         print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
         sdist.abort(ctx)
@@ -60,10 +72,12 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
     except Exception as e:  # noqa: BLE001 - a lost peer's error becomes one line naming it
         lost = ctx.lost(e)
         if lost is None:
+            sdist.abort(ctx)  # the peers stop at once; the traceback below goes to this rank's log
             raise
         print(f"scaletrain: error: {lost}", file=sys.stderr, flush=True)
-        sdist.abort(ctx)
-        return 1
+        sdist.write_note(ctx, ctx.gone)
+        sdist.abort(ctx, culprits=ctx.gone)
+        return sdist.EXIT_PEER
     sdist.finish(ctx)
     return 0
 

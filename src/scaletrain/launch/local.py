@@ -2,13 +2,26 @@
 
 Emulated nodes are groups of processes; the rendezvous listens on loopback.
 Rank 0 (the chief) writes to this terminal, the others to RUN_DIR/logs/.
-When a process fails, the others get cluster.timeout_s + 5 s to notice and
-exit on their own (their logs then name the lost rank), then are killed; the
-launcher exits non-zero naming the first rank that failed. Ctrl-C stops all.
+
+Failures: when a process fails, the others get cluster.timeout_s + 5 s to
+notice and exit on their own (their logs then name the lost rank), then are
+killed. A process that exits with dist.EXIT_PEER left because of another
+one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
+are frozen, and are killed at once (without a note, those still running a
+few seconds after the first such exit are taken for frozen). The
+launcher names the first process that failed or went silent, not one that
+left because of it.
+
+Signals: the job's stop signals and Ctrl-C are passed on to every process,
+which checkpoint at an agreed step and exit (dist.EXIT_STOPPED, or 130); a
+second one kills them at once. Every process is started with the kernel's
+parent-death signal set to SIGKILL: whatever kills the launcher, even
+kill -9, takes its processes with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -18,6 +31,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, dump_toml
+from ..dist import EXIT_PEER, EXIT_STOPPED
 from ..plan import Plan
 from .env import LaunchError, plan_for
 
@@ -38,9 +52,23 @@ def check_port(addr: str, port: int) -> None:
                               "choose another port or 0 for a free one") from None
 
 
-def describe_exit(plan: Plan, rank: int, rc: int) -> str:
-    how = f"was killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+FROZEN_S = 5.0  # after the first process left because of a peer, those still running this long are frozen
+PR_SET_PDEATHSIG = 1
+
+
+def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
+    if rc is None:
+        how = "stopped answering (frozen or hung) and was killed"
+    elif rc < 0:
+        how = f"was killed by signal {signal.Signals(-rc).name}"
+    else:
+        how = f"exited with status {rc}"
     return f"{plan.describe(rank)} {how}"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when the launcher dies, however it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
@@ -51,6 +79,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     cfg = cfg.replace(**{"cluster.master_port": cfg.cluster.master_port or free_port(addr)})
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
+    for note in (run_dir / "logs").glob("rank*.lost"):  # an earlier attempt's
+        note.unlink()
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
     job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
@@ -64,40 +94,84 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
         cmd += ["--resume"] if resume else []
         cmd += [] if progress else ["--quiet"]
         out = None if p.rank == 0 else open(run_dir / "logs" / f"rank{p.rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                      preexec_fn=_die_with_parent))
         if out:
             out.close()
-    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir)
+    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stop_signals)
 
 
-def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path) -> int:
-    failed, failed_at = None, 0.0
-    try:
+class _Forward:
+    """The launcher's handler of stop signals: pass the first on, kill on the second."""
+
+    def __init__(self, procs: list[subprocess.Popen], names: str) -> None:
+        self.procs, self.signal, self.killed = procs, None, False
+        self.sigs = {getattr(signal, n.strip()) for n in names.split(",") if n.strip()} | {signal.SIGINT}
+
+    def __call__(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+            print(f"scaletrain: {signal.Signals(signum).name}: every process checkpoints at the next agreed step "
+                  "and stops (send it again to stop at once)", file=sys.stderr, flush=True)
+            _stop(self.procs, signum)
+        else:
+            self.killed = True
+            _stop(self.procs, signal.SIGKILL)
+
+    def __enter__(self):
+        self.before = {s: signal.signal(s, self) for s in self.sigs}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.before.items():
+            signal.signal(s, h)
+
+
+def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: str) -> int:
+    """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1."""
+    failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
+    frozen: list[int] = []
+    with _Forward(procs, stop_signals) as fwd:
         while any(p.poll() is None for p in procs):
+            now = time.time()
             for rank, p in enumerate(procs):
                 rc = p.poll()
-                if rc not in (None, 0) and failed is None:
-                    failed, failed_at = rank, time.time()
+                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in frozen:
+                    continue
+                if rc == EXIT_PEER:
+                    left = left or (rank, now)
+                    named = [r for r in _note(run_dir, rank) if procs[r].poll() is None]
+                    if named and failed is None and not frozen:  # it left because of a peer that is frozen
+                        frozen = named
+                        _stop(procs, signal.SIGKILL)
+                elif failed is None:
+                    failed = (rank, now)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; waiting up to {grace:.0f} s for the "
                           "others to stop", file=sys.stderr, flush=True)
-            if failed is not None and time.time() - failed_at > grace:
+            if failed is None and not frozen and left is not None and now - left[1] > FROZEN_S:
+                frozen = [r for r, p in enumerate(procs) if p.poll() is None]
+                _stop(procs, signal.SIGKILL)
+            if failed is not None and now - failed[1] > grace:
                 _stop(procs, signal.SIGKILL)
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        _stop(procs, signal.SIGTERM)
-        deadline = time.time() + 5
-        while any(p.poll() is None for p in procs) and time.time() < deadline:
-            time.sleep(0.1)
-        _stop(procs, signal.SIGKILL)
-        print("scaletrain: interrupted; every process stopped", file=sys.stderr)
-        return 130
-    if failed is None:
-        failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
-    if failed is not None:
-        print(f"scaletrain: error: job failed: {describe_exit(plan, failed, procs[failed].returncode)}; "
-              f"logs in {run_dir / 'logs'}", file=sys.stderr)
+    if fwd.killed:
+        print("scaletrain: stopped at once by a second signal: no checkpoint at this step", file=sys.stderr)
+        return 130 if fwd.signal == signal.SIGINT else 128 + fwd.signal
+    culprit = failed[0] if failed else frozen[0] if frozen else left[0] if left else None
+    if culprit is not None:
+        rc = None if culprit in frozen else procs[culprit].returncode
+        (run_dir / "logs" / "failure.txt").write_text(describe_exit(plan, culprit, rc) + "\n")  # run.py tells it
         return 1
-    return 0
+    codes = {p.returncode for p in procs}
+    return 130 if 130 in codes else EXIT_STOPPED if EXIT_STOPPED in codes else 0
+
+
+def _note(run_dir: Path, rank: int) -> list[int]:
+    """The ranks a process that exited with EXIT_PEER left because of (dist.write_note)."""
+    try:
+        return [int(r) for r in (run_dir / "logs" / f"rank{rank}.lost").read_text().split(",") if r.strip()]
+    except (OSError, ValueError):
+        return []
 
 
 def _stop(procs: list[subprocess.Popen], sig: int) -> None:

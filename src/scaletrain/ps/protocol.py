@@ -1,7 +1,11 @@
 """Messages between pushers and PS shards: tensors over torch.distributed, tagged.
 
-A message to a shard is a header [version, command, 0] (int64); a PUSH
-then carries the shard's gradient slice (float32). Every PUSH and PULL is
+A message to a shard is a header [version, command, flag] (int64); a PUSH
+then carries the shard's gradient slice (float32). The flag of a PUSH says
+its sender holds a request (a stop signal, a timed checkpoint): the shard
+makes its next update an agreed point. The flag of a STOP is the number
+of the signal that stopped the job before its end (-1: unknown; 0: it ran
+to its end). Every PUSH and PULL is
 answered with a header [shard version, flags, images applied by the job]
 then the shard's current values. Tags keep headers and payloads apart.
 

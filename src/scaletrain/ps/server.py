@@ -66,6 +66,8 @@ class Shard:
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
         self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
+        self.asked = False  # a pusher holds a request: the next update is an agreed point
+        self.stopped = 0  # the signal that stopped the job before its end (-1: unknown), see protocol.py
 
     @property
     def done(self) -> bool:
@@ -78,6 +80,7 @@ class Shard:
             version, command = int(hdr[0]), int(hdr[1])
             self.bytes_recv += P.HEADER * 8
             if command == P.STOP:
+                self.stopped = self.stopped or int(hdr[2])
                 self.active.discard(src)
                 self._maybe_apply()
                 self._release()
@@ -91,6 +94,7 @@ class Shard:
             else:
                 dist.recv(grad, src=src, tag=P.TAG_VALS)
                 self.bytes_recv += grad.numel() * grad.element_size()
+                self.asked |= bool(hdr[2]) and not (self.holding or self.done)
                 self._push(src, version, grad)
 
     def _push(self, src: int, version: int, grad: torch.Tensor) -> None:
@@ -129,8 +133,8 @@ class Shard:
         self.version += 1
         self.applied += 1
         before, self.images = self.images, self.images + images
-        if self.images >= s.next_point(before):
-            self.holding, self.answered = True, set()
+        if self.images >= s.next_point(before) or self.asked:
+            self.holding, self.answered, self.asked = True, set(), False
             pulls, self.pulls = self.pulls, []
             self._reply(pulls)
 
@@ -210,4 +214,5 @@ def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
     return dict(is_ps=1, node=ctx.me.node, pusher=0, steps=shard.applied, applied=shard.applied,
                 bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, dropped=shard.dropped,
                 stale_max=shard.stale_max, shard_bytes=shard.values.numel() * shard.values.element_size(),
-                hist=shard.hist, by_sender=shard.by_sender)
+                hist=shard.hist, by_sender=shard.by_sender,
+                stopped=shard.stopped, step=shard.schedule.step_of(shard.images))

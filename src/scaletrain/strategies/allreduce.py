@@ -39,9 +39,15 @@ class AllReduce(Strategy):
         self.world = len(self.ctx.plan.workers)
 
     def step(self, lr: float) -> Tick:
+        asked = None
         if self.ctx.workers_group is not None:
-            average_(self.grads(), self.ctx.workers_group, self.world, self.counters, "comm_s")
+            # One more element in the step's all-reduce: whether any replica holds a request (a stop
+            # signal, a timed checkpoint), so all of them make this step an agreed point.
+            flag = torch.full((1,), float(bool(self.ctx.requests)), device=self.params[0].device)
+            grads = self.grads()
+            average_(grads + [flag], self.ctx.workers_group, self.world, self.counters, "comm_s")
+            asked = bool(flag.item())  # host-device sync on GPU
         self.set_lr(lr)
         self.optimizer.step()
         self.counters.steps += 1
-        return self.advance(self.schedule.step_images)
+        return self.advance(self.schedule.step_images, asked)

@@ -61,14 +61,18 @@ class Strategy:
     def step(self, lr: float) -> Tick:
         raise NotImplementedError
 
-    def advance(self, images: int) -> Tick:
-        """Progress of a strategy whose replicas all apply every update (all-reduce, one process)."""
+    def advance(self, images: int, asked: bool | None = None) -> Tick:
+        """Progress of a strategy whose replicas all apply every update (all-reduce, one process).
+        asked: whether any replica holds a request (dist.CHECKPOINT, STOP), which makes this step an
+        agreed point; None means this process's own requests (one process)."""
+        asked = bool(self.ctx.requests) if asked is None else asked
         before, self.images = self.images, self.images + images
-        return Tick(self.images, self.images >= self.schedule.next_point(before),
+        return Tick(self.images, asked or self.images >= self.schedule.next_point(before),
                     self.images >= self.schedule.target)
 
-    def finish(self) -> None:
-        """Called once after the last step (e.g. to release the PS)."""
+    def finish(self, stopped: int = 0) -> None:
+        """Called once after the last step (e.g. to release the PS); stopped: the number of the
+        signal that stopped the job before its end (-1 when unknown), 0 when it ran to its end."""
 
     def snapshot(self) -> dict:
         """State held outside this process, for the chief's checkpoint (called between steps)."""

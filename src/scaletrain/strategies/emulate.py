@@ -63,7 +63,7 @@ class EmulatedAsync(Strategy):
         finally:
             self._load(stale)
 
-    def finish(self) -> None:
+    def finish(self, stopped: int = 0) -> None:
         self._load(self.current)
 
     def snapshot(self) -> dict:

@@ -91,7 +91,8 @@ class PSClient(Strategy):
         """Push to every shard; returns (images applied, flags). When some shard announced an
         agreed point and another answered before reaching it, PULL that one's point values,
         so this node leaves the point with every shard's values of it."""
-        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH), gather(grads, self.layout.shards[k]))
+        asked = int(bool(self.ctx.requests))  # a stop signal or timed checkpoint: the shards hold at the next update
+        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), gather(grads, self.layout.shards[k]))
                                for k in range(len(self.servers))])
         behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
         if len(behind) < len(hdrs):
@@ -124,7 +125,7 @@ class PSClient(Strategy):
         self.versions = [shard["version"] for shard in shards]
         super().restore(state)
 
-    def finish(self) -> None:
+    def finish(self, stopped: int = 0) -> None:
         if self.pusher:
             for server in self.servers:
-                sdist.send(P.header(0, P.STOP), dst=server, tag=P.TAG_HDR)
+                sdist.send(P.header(0, P.STOP, stopped), dst=server, tag=P.TAG_HDR)

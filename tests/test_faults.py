@@ -1,0 +1,178 @@
+"""Faults injected for real into real jobs: stop signals, kill -9, SIGSTOP, a killed launcher.
+
+Each test asserts the outcome, the time it took, the message, what was lost, and that no
+process of the job is left behind.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, scaletrain_cmd
+
+TIMEOUT_S = 5
+BASE = ["data.workers=0", "cluster.nodes=2", f"cluster.timeout_s={TIMEOUT_S}", "train.steps=60",
+        "train.log_every=5", "train.eval_every=0", "train.checkpoint_every=20", "train.deterministic=true"]
+
+
+def cmd(run_dir, *sets):
+    args = ["train", "--recipe", "recipes/digits.toml", "--run-dir", str(run_dir), "--quiet"]
+    for s in (*BASE, *sets):
+        args += ["--set", s]
+    return scaletrain_cmd(*args)
+
+
+def start(run_dir, env, *sets):
+    return subprocess.Popen(cmd(run_dir, *sets), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def pids(run_dir):
+    logs = run_dir / "logs"
+    return {int(f.stem[4:]): json.loads(f.read_text())["pid"] for f in logs.glob("rank*.json")} \
+        if logs.exists() else {}
+
+
+def wait_training(p, run_dir, world, rows=3):
+    """Until every process is up and the chief has logged `rows` train rows."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if len(pids(run_dir)) == world and metrics.exists() and \
+                sum('"train"' in r for r in metrics.read_text().splitlines()) >= rows:
+            return pids(run_dir)
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.2)
+    raise AssertionError("the job did not start")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie has exited; only its parent has not reaped it yet
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+def no_orphans(procs):
+    deadline = time.time() + 5
+    while any(alive(pid) for pid in procs.values()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [r for r, pid in procs.items() if alive(pid)], "processes left behind"
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs of the configurations the fault tests interrupt."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = {}
+    for name, sets in {"allreduce": ["strategy.name=allreduce"],
+                       "sync": ["strategy.name=sync", "cluster.num_ps=1"]}.items():
+        run_dir = tmp_path_factory.mktemp("reference") / name
+        r = subprocess.run(cmd(run_dir, *sets), cwd=ROOT, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        out[name] = run_dir
+    return out
+
+
+def test_sigterm_to_the_launcher_checkpoints_stops_and_resumes_exactly(tmp_path, env, reference):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce")
+    procs = wait_training(p, run_dir, 2)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)  # what Slurm sends at a time limit or preemption
+    _, err = p.communicate(timeout=60)
+    elapsed = time.time() - t0
+    assert p.returncode == 75, err
+    no_orphans(procs)
+    steps = sorted(int(f.stem[5:]) for f in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+    assert steps and steps[-1] < 60, steps
+    assert f"stopped at step {steps[-1]}" in err and "SIGTERM" in err, err
+    assert not (run_dir / "model.safetensors").exists()  # the run is not over
+    assert elapsed < 10, elapsed
+    # Run again: it continues from that checkpoint and ends where an uninterrupted run does.
+    r = subprocess.run(cmd(run_dir, "strategy.name=allreduce") + ["--resume"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["start_step"] == steps[-1]
+    assert same_weights(run_dir, reference["allreduce"])
+
+
+def test_a_stop_signal_to_one_worker_stops_every_process_at_one_step(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=sync", "cluster.num_ps=1", "train.steps=100000")
+    procs = wait_training(p, run_dir, 3)
+    os.kill(procs[1], signal.SIGUSR1)  # worker 1 alone: the request travels to the others
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 75, err
+    no_orphans(procs)
+    step = int(sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1].stem[5:])
+    for r in (1, 2):  # every process stopped at the same step, by the same signal
+        assert f"stopped by SIGUSR1 at step {step}" in (run_dir / "logs" / f"rank{r}.log").read_text()
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=sync", "cluster.num_ps=1", "train.steps=100000")
+    procs = wait_training(p, run_dir, 3)
+    p.kill()
+    p.wait()
+    no_orphans(procs)
+
+
+def test_max_restarts_finishes_a_sync_job_whose_worker_was_killed(tmp_path, env, reference):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=sync", "cluster.num_ps=1", "cluster.max_restarts=2")
+    procs = wait_training(p, run_dir, 3, rows=6)  # past the first checkpoint (step 20)
+    os.kill(procs[1], signal.SIGKILL)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    no_orphans(procs)
+    line = next(l for l in err.splitlines() if "restart 1 of 2" in l)
+    assert "rank 1 (worker 1 on node 2) was killed by signal SIGKILL" in line, err
+    assert "resuming from the checkpoint of step" in line and "steps lost" in line, line
+    assert "restart 2" not in err
+    assert same_weights(run_dir, reference["sync"])
+
+
+def test_a_frozen_worker_is_named_and_the_job_ends_within_the_bound(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "train.steps=100000")
+    procs = wait_training(p, run_dir, 2)
+    os.kill(procs[1], signal.SIGSTOP)
+    t0 = time.time()
+    _, err = p.communicate(timeout=60)
+    elapsed = time.time() - t0
+    assert p.returncode == 1, err
+    assert elapsed <= TIMEOUT_S + 10, elapsed
+    assert "rank 1 (worker 1 on node 2) stopped answering" in err.splitlines()[-1], err
+    no_orphans(procs)
+
+
+def test_a_worker_failing_at_start_ends_a_ps_job_within_seconds(tmp_path, env):
+    run_dir = tmp_path / "run"
+    (tmp_path / "list.csv").write_text("path,label\nmissing.png,0\n")
+    t0 = time.time()
+    r = subprocess.run(cmd(run_dir, "strategy.name=sync", "cluster.num_ps=1", "cluster.timeout_s=60",
+                           "data.name=manifest", f"data.root={tmp_path / 'list.csv'}", "data.test_fraction=0"),
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.time() - t0
+    assert r.returncode == 1, r.stderr
+    assert elapsed < 30, (elapsed, r.stderr)
+    assert "missing.png" in r.stderr, r.stderr
