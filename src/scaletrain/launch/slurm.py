@@ -20,7 +20,7 @@ What the script asks of Slurm, and why:
   agree on and stops with status 75. S must cover that step plus the save.
   Slurm may send it up to a minute early.
 - --requeue: after such a stop `run_job` asks Slurm to queue the job again;
-  the next run finds the checkpoint in RUN_DIR and resumes from it.
+  the next run (SLURM_RESTART_COUNT set) resumes from the checkpoint in RUN_DIR.
   --no-requeue writes --no-requeue instead (the job then just stops).
 - --open-mode=append: every run of a requeued job writes to the same
   logs/slurm-JOB.out; Slurm would truncate it at each start otherwise.
@@ -111,8 +111,9 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
                       "# Written by scaletrain; the placement (`scaletrain plan`):",
                       *(f"#   {line}" for line in placement),
                       "# Every process finds its role from SLURM_PROCID, SLURM_NODEID and the plan.",
+                      "# A requeued run (SLURM_RESTART_COUNT set) continues from the newest checkpoint.",
                       f"mkdir -p {shlex.quote(str(run_dir / 'logs'))}",
-                      "exec " + shlex.join(cmd), ""])
+                      "exec " + shlex.join(cmd) + " ${SLURM_RESTART_COUNT:+--resume}", ""])
 
 
 def write(cfg: Config, run_dir: Path, resume: bool = False, **opts) -> Path:
