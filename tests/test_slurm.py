@@ -177,6 +177,11 @@ def test_script_asks_for_cpus_warning_requeue_and_time(cluster, tmp_path):
                                       "5", *sets(*SMALL)), cwd=ROOT, env=cluster.env, capture_output=True, text=True)
     assert r.returncode == 2 and "--warn-before 300 s is not shorter than --time 5" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "short" / "job.sbatch").exists()
+    # So is a warning the job would not stop on.
+    r = subprocess.run(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(tmp_path / "nowarn"),
+                                      *sets(*SMALL, "cluster.stop_signals=SIGTERM")),
+                       cwd=ROOT, env=cluster.env, capture_output=True, text=True)
+    assert r.returncode == 2 and "lacks SIGUSR1" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_cancelled_job_says_cancelled(cluster, tmp_path):

@@ -95,6 +95,10 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
     limit = time_seconds(time) if time else None
     if warn_before < 0:
         raise LaunchError(f"--warn-before {warn_before}: give seconds >= 0 (0 = no warning)")
+    stops_on = {n.strip() for n in cfg.cluster.stop_signals.split(",")}
+    if warn_before and WARNING.name not in stops_on:
+        raise LaunchError(f"cluster.stop_signals = {cfg.cluster.stop_signals!r} lacks {WARNING.name}, the warning "
+                          f"signal of --warn-before: add it, or give --warn-before 0")
     if warn_before and limit is not None and warn_before >= limit:
         raise LaunchError(f"--warn-before {warn_before} s is not shorter than --time {time} ({limit} s): the job "
                           f"would be told to stop as it starts; give --warn-before below {limit} (0 = no warning)")
