@@ -60,7 +60,8 @@ def test_sbatch_format_asks_for_the_plan(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks=9\n" in text and "#SBATCH --gpus-per-node=4\n" in text
     assert f"-m scaletrain train --recipe {DIGITS} --set cluster.nodes=2" in text
-    assert text.rstrip().endswith(f"--run-dir {tmp_path / 'r'}")
+    # A requeued run of the job resumes from the run dir's checkpoint.
+    assert text.rstrip().endswith(f"--run-dir {tmp_path / 'r'} ${{SLURM_RESTART_COUNT:+--resume}}")
 
 
 # --- reading the launchers' environments ---------------------------------------------------------
