@@ -153,7 +153,7 @@ def submit(path: Path, wait: bool) -> int:
     if state == "COMPLETED":
         print(f"Slurm job {job} completed{again}", flush=True)
         return 0
-    how = ENDED.get(state, state.lower().replace("_", " "))
+    how = ENDED.get(state, "ended, Slurm no longer says how" if state == "UNKNOWN" else state.lower())
     if state == "FAILED":
         code, _, sig = status.partition(":")
         how += f" (killed by signal {sig})" if sig not in ("", "0") else f" (exit status {code})"
@@ -166,8 +166,10 @@ def submit(path: Path, wait: bool) -> int:
 def job_fields(job: str) -> dict[str, str] | None:
     """`scontrol show job` as a dict; None once Slurm no longer knows the job."""
     r = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True)
-    if r.returncode or not r.stdout.strip():
+    if "Invalid job id" in r.stderr:
         return None
+    if r.returncode or not r.stdout.strip():
+        raise LaunchError(f"scontrol show job {job}: {(r.stderr.strip().splitlines() or ['no answer'])[-1]}")
     return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
 
 
@@ -178,8 +180,15 @@ def follow(job: str) -> tuple[str, str, int]:
     cfg = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
     age = re.search(r"^MinJobAge\s*=\s*(\d+)", cfg, re.M)
     cap, pause, restarts = max(1.0, min(30.0, int(age.group(1)) / 2 if age else 30.0)), 1.0, 0
+    answered = time.monotonic()
     while True:
-        f = job_fields(job)
+        try:
+            f = job_fields(job)
+            answered = time.monotonic()
+        except LaunchError:  # a busy controller answers later; one silent for 5 minutes is an error
+            if time.monotonic() - answered > 300:
+                raise
+            f = {}
         if f is None:  # forgotten already (a slow poll): accounting, where there is one, still knows
             try:
                 out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"],
@@ -188,9 +197,9 @@ def follow(job: str) -> tuple[str, str, int]:
                 out = ""
             state, _, status = (out.splitlines() or ["UNKNOWN|0:0"])[0].partition("|")
             return state.split()[0] if state else "UNKNOWN", status or "0:0", restarts
-        restarts = int(f.get("Restarts", 0))
+        restarts = int(f.get("Restarts", restarts))
         if f.get("JobState") in ENDED:
-            return f["JobState"], f.get("ExitCode", "0:0"), int(f.get("Restarts", 0))
+            return f["JobState"], f.get("ExitCode", "0:0"), restarts
         time.sleep(pause)
         pause = min(cap, pause * 2)
 
@@ -261,7 +270,10 @@ def forward_signal(job: str, name: str, sig: int, step: subprocess.Popen) -> Non
 
 def requeue(job: str, run_dir: Path) -> None:
     """Queue the job again after a stop at a checkpoint, when it may be requeued."""
-    f = job_fields(job) or {}
+    try:
+        f = job_fields(job) or {}
+    except LaunchError as e:
+        f = {"Requeue": f"unknown ({e})"}
     if f.get("Requeue") != "1":
         print(f"scaletrain: Slurm job {job} stopped at a checkpoint and may not be requeued; "
               f"`sbatch {run_dir / 'job.sbatch'}` continues it", file=sys.stderr, flush=True)
