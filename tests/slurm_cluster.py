@@ -26,7 +26,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={wd}/munge/socket
+# cred_expire: a requeued job waits this long before it may run again (default 120 s).
+AuthInfo=socket={wd}/munge/socket,cred_expire=10
 StateSaveLocation={wd}/state
 SlurmdSpoolDir={wd}/spool/%n
 SlurmctldPidFile={wd}/run/slurmctld.pid
@@ -43,8 +44,9 @@ MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
 KillWait=2
-# Schedule a submitted job at once (the default batches them for up to 3 s).
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+# Schedule a submitted job at once (the default batches them for up to 3 s), and look at pending
+# jobs every second (default 60 s): a requeued job runs as soon as it may.
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=1
 # `sbatch --wait` polls every 2 s only while MinJobAge/2 <= 2 (else 2, 8, 32 s); 5 s still keeps
 # a finished job long enough for that poll to read its exit code.
 MinJobAge=5

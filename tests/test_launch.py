@@ -60,7 +60,8 @@ def test_sbatch_format_asks_for_the_plan(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks=9\n" in text and "#SBATCH --gpus-per-node=4\n" in text
     assert f"-m scaletrain train --recipe {DIGITS} --set cluster.nodes=2" in text
-    assert text.rstrip().endswith(f"--run-dir {tmp_path / 'r'}")
+    # A requeued run of the job resumes from the run dir's checkpoint.
+    assert text.rstrip().endswith(f"--run-dir {tmp_path / 'r'} ${{SLURM_RESTART_COUNT:+--resume}}")
 
 
 # --- reading the launchers' environments ---------------------------------------------------------
@@ -222,3 +223,12 @@ def test_master_port_in_use_fails_fast_naming_it(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and time.time() - t0 < 10
     assert f"cluster.master_port = {port}" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_slurm_time_limits():
+    from scaletrain.launch.slurm import time_seconds
+
+    assert [time_seconds(t) for t in ("5", "5:30", "1:00:00", "2-3", "2-3:04", "2-03:04:05", "UNLIMITED")] == \
+        [300, 330, 3600, 2 * 86400 + 3 * 3600, 2 * 86400 + 3 * 3600 + 240, 2 * 86400 + 3 * 3600 + 245, None]
+    with pytest.raises(LaunchError, match="--time '1h'"):
+        time_seconds("1h")

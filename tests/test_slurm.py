@@ -6,9 +6,13 @@ tests are skipped with that reason; as root a missing package is an error, not a
 
 import json
 import os
+import re
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import RECIPES, ROOT, scaletrain_cmd
 
@@ -108,3 +112,128 @@ def test_failed_job_returns_its_status(cluster, tmp_path):
     errors = [line for line in logs.splitlines() if str(tmp_path / "missing") in line]
     assert errors and all(line.startswith("scaletrain: error: rank ") for line in errors), logs
     assert "Traceback" not in logs, logs
+
+
+def start(cluster, run_dir, *overrides, args=("--time", "00:10:00")):
+    """`scaletrain slurm --submit --wait` in the background: (process, job id) once the job is submitted."""
+    p = subprocess.Popen(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(run_dir), "--submit", "--wait",
+                                        *args, *sets(*SMALL, *overrides)),
+                         cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("submitted batch job"):
+            return p, line.split()[3].rstrip(";")
+    raise AssertionError(f"not submitted: {p.communicate()}")
+
+
+def wait_for_step(run_dir, step, timeout=120.0):
+    """Until the chief has logged job step `step` (the job trains on every node by then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        if any(json.loads(r).get("step", 0) >= step for r in rows if r.strip()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {run_dir / 'metrics.jsonl'} after {timeout:.0f} s")
+
+
+def job_field(cluster, job, key):
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], env=cluster.env, capture_output=True, text=True)
+    return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv).get(key)
+
+
+def left_behind(run_dir):
+    """Live processes whose command line names run_dir (the job's processes all do)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir) in cmd and state != "Z" and "pytest" not in cmd:
+            pids.append((int(pid), cmd))
+    return pids
+
+
+def test_script_asks_for_cpus_warning_requeue_and_time(cluster, tmp_path):
+    run_dir = tmp_path / "script"
+    r = subprocess.run(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(run_dir), "--time", "01:30:00",
+                                      "--warn-before", "120", *sets(*SMALL, "data.workers=3", "train.threads=2",
+                                                                   "cluster.nodes=2")),
+                       cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = (run_dir / "job.sbatch").read_text().splitlines()
+    for opt in ("--cpus-per-task=5", "--signal=B:USR1@120", "--requeue", "--time=01:30:00", "--open-mode=append"):
+        assert f"#SBATCH {opt}" in lines, (opt, lines)
+    # Slurm takes them: the job as the controller holds it (held, so it never runs).
+    job = subprocess.run(["sbatch", "--parsable", "--hold", str(run_dir / "job.sbatch")], env=cluster.env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        assert [job_field(cluster, job, k) for k in ("CPUs/Task", "Requeue", "TimeLimit")] == ["5", "1", "01:30:00"]
+    finally:
+        subprocess.run(["scancel", job], env=cluster.env)
+    # A warning that would come as the job starts is refused before anything is written.
+    r = subprocess.run(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(tmp_path / "short"), "--time",
+                                      "5", *sets(*SMALL)), cwd=ROOT, env=cluster.env, capture_output=True, text=True)
+    assert r.returncode == 2 and "--warn-before 300 s is not shorter than --time 5" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "short" / "job.sbatch").exists()
+    # So is a warning the job would not stop on.
+    r = subprocess.run(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(tmp_path / "nowarn"),
+                                      *sets(*SMALL, "cluster.stop_signals=SIGTERM")),
+                       cwd=ROOT, env=cluster.env, capture_output=True, text=True)
+    assert r.returncode == 2 and "lacks SIGUSR1" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cancelled_job_says_cancelled(cluster, tmp_path):
+    run_dir = tmp_path / "cancel"
+    p, job = start(cluster, run_dir, "cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync", "train.steps=100000")
+    wait_for_step(run_dir, 5)
+    subprocess.run(["scancel", job], env=cluster.env, check=True)
+    t0 = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, out + err
+    assert f"Slurm job {job} cancelled; see {run_dir / 'logs'}/slurm-{job}.out" in err, err
+    assert took < 15, took  # Slurm knew at once; the report is not a failure found much later
+    assert not left_behind(run_dir)
+
+
+def test_job_past_its_time_limit_says_timed_out(cluster, tmp_path):
+    run_dir = tmp_path / "timeout"
+    # One minute is Slurm's shortest limit; with no warning signal the job runs into it.
+    p, job = start(cluster, run_dir, "cluster.nodes=2", "train.steps=1000000",
+                   args=("--time", "1", "--warn-before", "0"))
+    out, err = p.communicate(timeout=200)
+    assert p.returncode == 1, out + err
+    assert f"Slurm job {job} timed out; see {run_dir / 'logs'}/slurm-{job}.out" in err, err
+    assert not left_behind(run_dir)
+
+
+def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """Preemption: the warning signal reaches the batch step; every process checkpoints at an agreed
+    step and exits 75; the job is requeued, resumes on its own and ends with an uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    job_set = ["cluster.nodes=2", "strategy.name=allreduce", "train.deterministic=true", "train.steps=300",
+               "train.log_every=1"]
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"
+    ref, _ = start(cluster, ref_dir, *job_set)
+    p, job = start(cluster, run_dir, *job_set)
+    wait_for_step(run_dir, 20)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True)
+    out, err = p.communicate(timeout=240)
+    logs = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert p.returncode == 0, out + err + logs
+    assert f"Slurm job {job} completed after 1 requeue" in out, out + err
+    assert ref.communicate(timeout=240) and ref.returncode == 0
+    stopped = re.search(r"stopped by SIGUSR1 at step (\d+)", logs)
+    assert stopped, logs
+    assert f"requeueing Slurm job {job}" in logs
+    # Steps lost = 0: the second run starts at the step the first one stopped at, and logs each step once.
+    steps = [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(r).get("kind") == "train"]
+    assert steps == list(range(1, 301)), steps
+    assert 20 <= int(stopped.group(1)) < 300
+    a, b = load_file(run_dir / "model.safetensors"), load_file(ref_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not left_behind(run_dir)

@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--partition", default="")
     sl.add_argument("--time", default="", help="time limit, e.g. 02:00:00")
     sl.add_argument("--account", default="")
+    sl.add_argument("--warn-before", type=int, default=300, metavar="SECONDS",
+                    help="send the job SIGUSR1 this long before --time runs out: it checkpoints and is "
+                         "requeued (default 300; 0 = no warning)")
+    sl.add_argument("--no-requeue", action="store_true", help="a job stopped by the warning ends (no requeue)")
     sl.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     sl.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     sl.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
@@ -157,7 +161,7 @@ def _slurm(args, cfg, run_dir: Path) -> int:
 
     prepare_run_dir(run_dir, args.resume, cfg)
     path = slurm.write(cfg, run_dir, partition=args.partition, time=args.time, account=args.account,
-                       resume=args.resume)
+                       warn_before=args.warn_before, requeue=not args.no_requeue, resume=args.resume)
     print(f"wrote {path}")
     if not args.submit:
         print(f"submit it with: sbatch {path}")
