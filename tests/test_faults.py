@@ -176,3 +176,18 @@ def test_a_worker_failing_at_start_ends_a_ps_job_within_seconds(tmp_path, env):
     assert r.returncode == 1, r.stderr
     assert elapsed < 30, (elapsed, r.stderr)
     assert "missing.png" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sync"])
+def test_timed_checkpoints_are_taken_at_steps_every_process_agrees_on(tmp_path, env, strategy):
+    run_dir = tmp_path / "run"
+    r = subprocess.run(cmd(run_dir, f"strategy.name={strategy}", f"cluster.num_ps={int(strategy == 'sync')}",
+                           "train.steps=200", "train.checkpoint_every=0", "train.checkpoint_every_s=1",
+                           "train.keep_checkpoints=100"),
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    steps = sorted(int(f.stem[5:]) for f in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+    wall = [json.loads(line)["wall"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"train"' in line][-1]
+    # One a second of the job (the first after 1 s), the final one at step 200.
+    assert steps[-1] == 200 and len(steps) - 1 >= int(wall) - 1 >= 1, (steps, wall)

@@ -1,0 +1,219 @@
+"""Faults injected into real local jobs: how fast each is seen, how the job gets over it, what is lost.
+
+Every scenario starts a job (digits, resnet8, 2 emulated nodes, data.workers=0,
+cluster.timeout_s=5, deterministic kernels), injects one fault for real once the
+job trains (a signal to the launcher or to one process, kill -9, SIGSTOP), and
+follows it to its end, resuming it when it stopped on request. One JSON row per
+scenario on stdout:
+
+  fault, strategy
+  detect_s        fault -> the job's first word on it (launcher's line, or the stop)
+  recover_s       fault -> the job trained again after a restart, or (no restart) -> the last process exited
+  exit            exit status of the interrupted job
+  steps_lost      steps computed and thrown away (last step reached - step resumed from)
+  weights_equal   final weights == an uninterrupted run's (deterministic strategies), null when not compared
+  orphans         job processes alive after it ended
+
+    python benchmarks/faults.py [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["data.workers=0", "cluster.nodes=2", "cluster.timeout_s=5", "train.steps=60", "train.log_every=5",
+        "train.eval_every=0", "train.checkpoint_every=20", "train.deterministic=true"]
+STRATEGY = {"allreduce": ["strategy.name=allreduce"], "sync": ["strategy.name=sync", "cluster.num_ps=1"],
+            "mixed-async": ["strategy.name=mixed-async", "cluster.num_ps=1"]}
+
+
+def command(run_dir: Path, sets: list[str], resume: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--recipe", "recipes/digits.toml",
+           "--run-dir", str(run_dir), "--quiet"] + (["--resume"] if resume else [])
+    for s in BASE + sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+class Job:
+    """A job in the background, its stderr lines timestamped as they come."""
+
+    def __init__(self, run_dir: Path, sets: list[str], resume: bool = False) -> None:
+        self.run_dir, self.lines = run_dir, []
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.p = subprocess.Popen(command(run_dir, sets, resume), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.p.stderr:
+            self.lines.append((time.time(), line.rstrip()))
+
+    def pids(self) -> dict[int, int]:
+        logs = self.run_dir / "logs"
+        return {int(f.stem[4:]): json.loads(f.read_text())["pid"] for f in logs.glob("rank*.json")} \
+            if logs.exists() else {}
+
+    def steps_logged(self) -> list[int]:
+        f = self.run_dir / "metrics.jsonl"
+        rows = [json.loads(r) for r in f.read_text().splitlines() if r.strip()] if f.exists() else []
+        return [r["step"] for r in rows if r.get("kind", "train") == "train" and "step" in r]
+
+    def training(self, world: int, after_step: int = 10) -> dict[int, int]:
+        deadline = time.time() + 180
+        while time.time() < deadline and self.p.poll() is None:
+            steps = self.steps_logged()
+            if len(self.pids()) == world and steps and steps[-1] >= after_step:
+                return self.pids()
+            time.sleep(0.1)
+        raise RuntimeError(f"the job did not start: {self.lines[-3:]}")
+
+    def first(self, text: str, since: float) -> float | None:
+        return next((t - since for t, line in self.lines if text in line and t >= since), None)
+
+    def wait(self) -> int:
+        rc = self.p.wait(timeout=600)
+        self.reader.join()
+        return rc
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def orphans(pids: dict[int, int]) -> int:
+    time.sleep(1)
+    return sum(alive(p) for p in pids.values())
+
+
+def same(a: Path, b: Path) -> bool:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+def newest_checkpoint(run_dir: Path) -> int:
+    return max((int(f.stem[5:]) for f in (run_dir / "checkpoints").glob("ckpt-*.pt")), default=0)
+
+
+def stop_signal(tmp: Path, strategy: str, sig: signal.Signals, to_launcher: bool) -> dict:
+    """A stop signal: the job checkpoints at an agreed step and exits 75; run again, it resumes."""
+    run_dir = tmp / f"stop-{strategy}-{sig.name}"
+    job = Job(run_dir, STRATEGY[strategy])
+    pids = job.training(3 if strategy != "allreduce" else 2)
+    reached = job.steps_logged()[-1]
+    t0 = time.time()
+    job.p.send_signal(sig) if to_launcher else os.kill(pids[1], sig)
+    rc = job.wait()
+    exited = time.time() - t0
+    stopped_at = newest_checkpoint(run_dir)
+    again = Job(run_dir, STRATEGY[strategy], resume=True)
+    again.wait()
+    return dict(fault=f"{sig.name} to {'the launcher' if to_launcher else 'worker 1'}", strategy=strategy,
+                detect_s=job.first("stop", t0), recover_s=exited, exit=rc,
+                steps_lost=max(reached - stopped_at, 0) if stopped_at < reached else 0,
+                weights_equal=same(run_dir, reference(tmp, strategy)), orphans=orphans(pids))
+
+
+def kill_with_restart(tmp: Path, strategy: str) -> dict:
+    """kill -9 of a worker with cluster.max_restarts=2: the job restarts from its newest checkpoint."""
+    run_dir = tmp / f"restart-{strategy}"
+    job = Job(run_dir, STRATEGY[strategy] + ["cluster.max_restarts=2"])
+    pids = job.training(3 if strategy != "allreduce" else 2, after_step=30)
+    reached = job.steps_logged()[-1]
+    t0 = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    restart = None
+    while job.p.poll() is None and restart is None:
+        restart = job.first("restart 1 of", t0)
+        time.sleep(0.05)
+    resumed_from, rows = newest_checkpoint(run_dir), len(job.steps_logged())
+    trained = None  # fault -> the restarted job's first logged row
+    while job.p.poll() is None and trained is None:
+        trained = time.time() - t0 if len(job.steps_logged()) > rows else None
+        time.sleep(0.05)
+    rc = job.wait()
+    return dict(fault="kill -9 worker 1, max_restarts=2", strategy=strategy, detect_s=job.first("was killed", t0),
+                recover_s=trained or restart, exit=rc, steps_lost=max(reached - resumed_from, 0),
+                weights_equal=same(run_dir, reference(tmp, strategy)) if rc == 0 else False, orphans=orphans(pids))
+
+
+def frozen(tmp: Path, strategy: str) -> dict:
+    """SIGSTOP of a worker: the others find it silent and the job ends naming it."""
+    run_dir = tmp / f"frozen-{strategy}"
+    job = Job(run_dir, STRATEGY[strategy] + ["train.steps=100000"])
+    pids = job.training(2 if strategy == "allreduce" else 3)
+    t0 = time.time()
+    os.kill(pids[1], signal.SIGSTOP)
+    rc = job.wait()
+    named = any("rank 1 (worker 1 on node 2)" in line for _, line in job.lines[-2:])
+    return dict(fault="SIGSTOP worker 1", strategy=strategy, detect_s=job.first("rank 1", t0),
+                recover_s=time.time() - t0, exit=rc, named_right=named, steps_lost=None, weights_equal=None,
+                orphans=orphans(pids))
+
+
+def killed_launcher(tmp: Path, strategy: str) -> dict:
+    """kill -9 of the launcher: its processes die with it."""
+    job = Job(tmp / f"launcher-{strategy}", STRATEGY[strategy] + ["train.steps=100000"])
+    pids = job.training(3)
+    t0 = time.time()
+    job.p.kill()
+    rc = job.wait()
+    while any(alive(p) for p in pids.values()) and time.time() - t0 < 10:
+        time.sleep(0.05)
+    return dict(fault="kill -9 the launcher", strategy=strategy, detect_s=None, recover_s=time.time() - t0, exit=rc,
+                steps_lost=None, weights_equal=None, orphans=orphans(pids))
+
+
+_references: dict[str, Path] = {}
+
+
+def reference(tmp: Path, strategy: str) -> Path:
+    """An uninterrupted run of the same configuration (made once)."""
+    if strategy not in _references:
+        run_dir = tmp / f"reference-{strategy}"
+        if Job(run_dir, STRATEGY[strategy]).wait() != 0:
+            raise RuntimeError(f"the uninterrupted {strategy} run failed")
+        _references[strategy] = run_dir
+    return _references[strategy]
+
+
+SCENARIOS = {
+    "sigterm-launcher": lambda t: stop_signal(t, "allreduce", signal.SIGTERM, to_launcher=True),
+    "sigusr1-worker": lambda t: stop_signal(t, "sync", signal.SIGUSR1, to_launcher=False),
+    "kill-restart-sync": lambda t: kill_with_restart(t, "sync"),
+    "kill-restart-allreduce": lambda t: kill_with_restart(t, "allreduce"),
+    "sigstop-allreduce": lambda t: frozen(t, "allreduce"),
+    "kill-launcher": lambda t: killed_launcher(t, "sync"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="scenarios to run (default: all)")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.only or SCENARIOS:
+            row = SCENARIOS[name](Path(tmp))
+            print(json.dumps({"scenario": name, **{k: round(v, 2) if isinstance(v, float) else v
+                                                   for k, v in row.items()}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
