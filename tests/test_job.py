@@ -13,7 +13,7 @@ from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain import data
 from scaletrain.models import build_model
-from scaletrain.train import evaluate
+from scaletrain.replicas import evaluate
 
 from conftest import RECIPES
 

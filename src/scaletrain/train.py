@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import checkpoint, schedule, stats
 from .config import Config, dump_toml
@@ -31,7 +30,7 @@ from .metrics import JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
 from .strategies import build_strategy, images_per_update
-from .strategies.allreduce import average_
+from .replicas import evaluate, load_replica_buffers, replica_buffers
 from .strategies.base import Tick
 
 log = logging.getLogger("scaletrain")
@@ -362,54 +361,3 @@ class Run:
             "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())
-
-
-def _float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [b for b in model.buffers() if b.is_floating_point()]
-
-
-def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_chief: bool):
-    """Every replica's floating buffers (BatchNorm statistics) as flat tensors, on the chief
-    (None elsewhere); a collective over the workers."""
-    bufs = _float_buffers(model)
-    flat = _flatten_dense_tensors(bufs) if bufs else torch.zeros(1, device=next(model.parameters()).device)
-    out = [torch.empty_like(flat) for _ in range(workers)] if is_chief else None
-    dist.gather(flat, out, dst=chief, group=group)  # collective over the workers
-    return [t.cpu() for t in out] if is_chief else None
-
-
-def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | None, index: int) -> None:
-    """Put back this replica's own buffers from a checkpoint (see replica_buffers)."""
-    bufs = _float_buffers(model)
-    if not saved or not bufs or index >= len(saved):
-        return
-    with torch.no_grad():
-        for b, v in zip(bufs, _unflatten_dense_tensors(saved[index].to(bufs[0].device), bufs)):
-            b.copy_(v)
-
-
-def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group, workers: int) -> dict[str, float]:
-    """Test loss and accuracy over every worker's slice: each evaluates its own, the sums are
-    reduced. BatchNorm statistics are averaged over the replicas first, so all evaluate one model."""
-    if group is not None:
-        bufs = [b for b in model.buffers() if b.is_floating_point()]
-        if bufs:
-            average_(bufs, group, workers)  # collective over the workers
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, images
-    with torch.no_grad():
-        for batch in loader:
-            x, y = usable(batch)
-            if x is None:
-                continue
-            logits = model(x).float()
-            sums[0] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
-            sums[1] += (logits.argmax(1) == y).sum()
-            sums[2] += len(y)
-    model.train()
-    if group is not None:
-        dist.all_reduce(sums, group=group)  # collective over the workers
-    loss, correct, n = sums.tolist()  # host-device sync, once per evaluation
-    if n == 0:
-        return {}
-    return {"test_loss": loss / n, "test_accuracy": correct / n, "test_images": int(n)}
