@@ -128,6 +128,11 @@ class ClusterConfig:
     master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
                            lo=0, hi=65535)
 
+    @property
+    def stopping(self) -> tuple[str, ...]:
+        """The names of the signals that stop the job after a checkpoint: stop_signals and SIGINT."""
+        return tuple(dict.fromkeys([n.strip() for n in self.stop_signals.split(",") if n.strip()] + ["SIGINT"]))
+
 
 @dataclass(frozen=True)
 class StrategyConfig:
@@ -260,9 +265,9 @@ def _check_relations(cfg: Config) -> None:
     if (t.target_accuracy or t.target_loss) and not t.eval_every:
         raise ConfigError("train.target_accuracy / train.target_loss are checked at evaluations: "
                           "set train.eval_every > 0")
-    for name in filter(None, c.stop_signals.split(",")):
-        if name.strip() not in STOP_SIGNALS:
-            raise ConfigError(f"cluster.stop_signals = {c.stop_signals!r}: {name.strip()!r} is not one of "
+    for name in c.stopping:
+        if name not in STOP_SIGNALS:
+            raise ConfigError(f"cluster.stop_signals = {c.stop_signals!r}: {name!r} is not one of "
                               f"{', '.join(STOP_SIGNALS)}")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")

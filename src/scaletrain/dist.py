@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .config import Config
+from .errors import EXIT_STOPPED, Stopped
 from .plan import Plan, Proc, make_plan
 
 log = logging.getLogger("scaletrain")
@@ -49,7 +50,6 @@ STALE_S = 3.0  # a counter still this long marks its rank as missing
 OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receive: no limit below hours
 CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
 EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
-EXIT_STOPPED = 75  # exit status of a job stopped on request after its checkpoint (EX_TEMPFAIL: run it again)
 
 
 class PeerLost(RuntimeError):
@@ -71,7 +71,7 @@ class Context:
     workers_group: object = None  # all workers (None when alone)
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
     requests: int = 0  # CHECKPOINT | STOP bits asked of this process and not yet agreed
-    stop_signal: str = ""  # the signal that asked for the stop, as the process that got it named it
+    stop_signal: int = 0  # the number of the signal that asked for the stop (-1: heard of, not which)
     note: str = ""  # file where this process writes the ranks it left because of (for its launcher)
     _stop: threading.Event = field(default_factory=threading.Event)
     _finishing: threading.Event = field(default_factory=threading.Event)  # in the final barrier: rank 0 may leave
@@ -240,8 +240,9 @@ def _heartbeat(ctx: Context) -> None:
         try:
             store.add(f"hb/{ctx.rank}", 1)
             _share_stop(ctx, store)
-            if store.add("failed", 0) > failures:  # a peer announced its failure: no need to wait it out
-                failures = store.add("failed", 0)
+            announced = store.add("failed", 0)  # reads the counter
+            if announced > failures:  # a peer announced its failure: no need to wait it out
+                failures = announced
                 _leave(ctx, store, _failed(ctx, store), "failed")
             gone = live.missing(store)
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
@@ -264,10 +265,17 @@ def _heartbeat(ctx: Context) -> None:
 def _share_stop(ctx: Context, store) -> None:
     if ctx.requests & STOP:
         if not store.check(["stop"]):
-            store.set("stop", ctx.stop_signal or "a stop request")
+            store.set("stop", str(ctx.stop_signal or -1))
     elif store.check(["stop"]):
-        ctx.stop_signal = ctx.stop_signal or store.get("stop").decode()
+        ctx.stop_signal = ctx.stop_signal or int(store.get("stop"))
         ctx.requests |= STOP | CHECKPOINT
+
+
+def stopped(signum: int, where: str) -> Stopped:
+    """The error a process ends with after a stop at an agreed step: it names the signal
+    (signum, -1 when unknown) and its exit status says so (130 for Ctrl-C)."""
+    name = signal.Signals(signum).name if signum > 0 else "a stop request"
+    return Stopped(f"stopped by {name} {where}", 130 if signum == signal.SIGINT else EXIT_STOPPED)
 
 
 def _failed(ctx: Context, store) -> list[int]:
@@ -334,7 +342,10 @@ def finish(ctx: Context) -> None:
 
 def abort(ctx: Context, culprits: list[int] | None = None) -> None:
     """Leave after a failure: say in the store who failed (this process unless `culprits`
-    names the peers it lost), so the others stop at once, then drop the process groups."""
+    names the peers it lost; those go to the launcher's note too), so the others stop at
+    once, then drop the process groups."""
+    if culprits:
+        write_note(ctx, culprits)
     ctx._stop.set()
     if ctx._thread is not None:
         ctx._thread.join()  # the store client is the heartbeat's until it ends
@@ -348,8 +359,8 @@ def abort(ctx: Context, culprits: list[int] | None = None) -> None:
 
 
 @contextmanager
-def stop_signals(ctx: Context, names: str, escalate: bool):
-    """While inside: the job's stop signals and Ctrl-C ask this process for a checkpoint and a
+def stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool):
+    """While inside: the signals named (cluster.stopping: the job's stop signals and Ctrl-C) ask this process for a checkpoint and a
     stop at the next agreed step, instead of killing it. escalate: a second Ctrl-C interrupts
     at once (a process with no launcher above it; a launcher escalates for its children)."""
     if threading.current_thread() is not threading.main_thread():
@@ -359,11 +370,10 @@ def stop_signals(ctx: Context, names: str, escalate: bool):
     def on_signal(signum, frame):
         if escalate and signum == signal.SIGINT and ctx.requests & STOP:
             raise KeyboardInterrupt
-        ctx.stop_signal = ctx.stop_signal or signal.Signals(signum).name
+        ctx.stop_signal = ctx.stop_signal or signum
         ctx.requests |= STOP | CHECKPOINT
 
-    sigs = {getattr(signal, n.strip()) for n in names.split(",") if n.strip()} | {signal.SIGINT}
-    before = {s: signal.signal(s, on_signal) for s in sigs}
+    before = {s: signal.signal(s, on_signal) for s in (getattr(signal, n) for n in names)}
     try:
         yield
     finally:

@@ -54,6 +54,9 @@ class ModelError(ValueError):
     """A configuration the performance model cannot predict with this profile; str() is one line."""
 
 
+EXIT_STOPPED = 75  # a job stopped on request after its checkpoint (EX_TEMPFAIL: run the same command again)
+
+
 class Stopped(Exception):
     """The job stopped on request (a stop signal) after checkpointing at an agreed step; str() says
     where it stands in one line. `status` is the exit status that says so: 130 for Ctrl-C, else 75

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import LaunchError, RunError, Stopped
+from .errors import EXIT_STOPPED, LaunchError, RunError, Stopped
 from .launch import env as launch_env
 
 
@@ -73,9 +73,6 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
         resume = bool(_checkpoints(run_dir))
         print(f"scaletrain: {what}; restart {restarts} of {cfg.cluster.max_restarts}: "
               f"{_where(run_dir, lost=True)}", file=sys.stderr, flush=True)
-
-
-EXIT_STOPPED = 75  # dist.EXIT_STOPPED, without importing torch
 
 
 def _checkpoints(run_dir: Path) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,8 +23,8 @@ import torch.distributed as dist
 from . import checkpoint, schedule, stats
 from .config import Config, dump_toml
 from .data import Batch, DataError, build_datasets, test_loader, train_loader
-from .dist import CHECKPOINT, STOP, Context, single, stop_signals
-from .errors import RunError, Stopped
+from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
+from .errors import RunError
 from .metrics import JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, decayed, loss_fn, lr_at
@@ -94,7 +93,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     """Run the worker loop of this process; returns the summary (the chief writes it).
     Raises Stopped when a stop signal ended the job early (after its checkpoint)."""
     ctx, run_dir = ctx or single(), Path(run_dir)
-    with stop_signals(ctx, cfg.cluster.stop_signals, escalate=not ctx.distributed):
+    with stop_signals(ctx, cfg.cluster.stopping, escalate=not ctx.distributed):
         return _train(cfg, run_dir, resume, progress, ctx)
 
 
@@ -158,16 +157,15 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
             run.after_step(before, tick, loss.detach(), len(y), lr)
             if tick.hold:
                 tick = run.point(tick)
-        sig = signal.Signals.__members__.get(run.stopped)
-        strategy.finish(stopped=(sig.value if sig else -1) if run.stopped else 0)  # after the last snapshot: the PS stop when every pusher has
+        strategy.finish(stopped=run.stopped)  # after the last snapshot: the PS stop when every pusher has finished
     finally:
         run.close()
         del batches  # stops loader worker processes
     summary = run.summarize(tick, len(train_set), len(test_set))
     if run.stopped:
         step = sched.step_of(tick.images)
-        raise Stopped(f"stopped by {run.stopped} at step {step} of {sched.steps}; the checkpoint of step {step} "
-                      f"is in {run_dir / 'checkpoints'}", 130 if run.stopped == "SIGINT" else 75)
+        raise stopped(run.stopped, f"at step {step} of {sched.steps}; the checkpoint of step {step} is in "
+                      f"{run_dir / 'checkpoints'}")
     return summary
 
 
@@ -195,7 +193,7 @@ class Run:
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
         self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
-        self.stopped = ""  # the signal that stopped the job before its end
+        self.stopped = 0  # the signal that stopped the job before its end (dist.stopped), 0 while it runs
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
 
     def usable(self, batch: Batch):
@@ -252,8 +250,8 @@ class Run:
         stop = tick.stop
         if asked & STOP and not stop:  # stopped before the end: checkpoint, no evaluation
             self.ctx.requests |= STOP
-            self.stopped = self._signal_name()
-            self.bar.message(f"step {s.step_of(tick.images)}: {self.stopped}: checkpointing and stopping")
+            self.stopped = self._agreed_signal()
+            self.bar.message(f"step {s.step_of(tick.images)}: stop asked: checkpointing and stopping")
             stop = True
         save = stop or asked & CHECKPOINT or s.crossed(t.checkpoint_every, self.last_point, tick.images)
         self.last_point = tick.images
@@ -287,14 +285,13 @@ class Run:
         total, n, checkpoint_, stop = sums.tolist()
         return (total / n if n else math.nan), (CHECKPOINT if checkpoint_ else 0) | (STOP if stop else 0)
 
-    def _signal_name(self) -> str:
-        """The stop signal's name, as one of the workers got it (the others may have heard only
-        of the stop)."""
-        sig = signal.Signals.__members__.get(self.ctx.stop_signal)
-        num = torch.tensor([sig.value if sig else 0], device=self.device)
+    def _agreed_signal(self) -> int:
+        """The stop signal, as one of the workers got it (the others may have heard only of the
+        stop); -1 when none knows which."""
+        num = torch.tensor([self.ctx.stop_signal], device=self.device)
         if self.group is not None:
             dist.all_reduce(num, op=dist.ReduceOp.MAX, group=self.group)  # collective: all stop here
-        self.ctx.stop_signal = signal.Signals(int(num)).name if int(num) else "a stop request"
+        self.ctx.stop_signal = int(num) or -1
         return self.ctx.stop_signal
 
     def _evaluate(self, tick: Tick, at: float) -> dict[str, float]:

@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -49,13 +48,12 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
     ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
     try:
         if ctx.me.role == "ps":
-            with sdist.stop_signals(ctx, cfg.cluster.stop_signals, escalate=False):  # the workers decide
+            with sdist.stop_signals(ctx, cfg.cluster.stopping, escalate=False):  # the workers decide
                 figures = run_shard(cfg, ctx, run_dir, resume)
             stopped, step = figures.pop("stopped"), figures.pop("step")
             stats.gather(ctx, figures)
             if stopped:
-                name = signal.Signals(stopped).name if stopped > 0 else "a stop request"
-                raise Stopped(f"stopped by {name} at step {step}", 130 if name == "SIGINT" else sdist.EXIT_STOPPED)
+                raise sdist.stopped(stopped, f"at step {step}")
         else:
             train(cfg, run_dir, resume=resume, progress=progress, ctx=ctx)
     except Stopped as e:  # every process stopped at the same agreed step, after the checkpoint
@@ -75,7 +73,6 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
             sdist.abort(ctx)  # the peers stop at once; the traceback below goes to this rank's log
             raise
         print(f"scaletrain: error: {lost}", file=sys.stderr, flush=True)
-        sdist.write_note(ctx, ctx.gone)
         sdist.abort(ctx, culprits=ctx.gone)
         return sdist.EXIT_PEER
     sdist.finish(ctx)

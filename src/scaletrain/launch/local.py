@@ -13,7 +13,7 @@ launcher names the first process that failed or went silent, not one that
 left because of it.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
-which checkpoint at an agreed step and exit (dist.EXIT_STOPPED, or 130); a
+which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
 second one kills them at once. Every process is started with the kernel's
 parent-death signal set to SIGKILL: whatever kills the launcher, even
 kill -9, takes its processes with it.
@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from ..config import Config, dump_toml
-from ..dist import EXIT_PEER, EXIT_STOPPED
+from ..dist import EXIT_PEER
+from ..errors import EXIT_STOPPED
 from ..plan import Plan
 from .env import LaunchError, plan_for
 
@@ -98,15 +99,15 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
                                       preexec_fn=_die_with_parent))
         if out:
             out.close()
-    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stop_signals)
+    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping)
 
 
 class _Forward:
     """The launcher's handler of stop signals: pass the first on, kill on the second."""
 
-    def __init__(self, procs: list[subprocess.Popen], names: str) -> None:
+    def __init__(self, procs: list[subprocess.Popen], names: tuple[str, ...]) -> None:
         self.procs, self.signal, self.killed = procs, None, False
-        self.sigs = {getattr(signal, n.strip()) for n in names.split(",") if n.strip()} | {signal.SIGINT}
+        self.sigs = [getattr(signal, n) for n in names]
 
     def __call__(self, signum, frame) -> None:
         if self.signal is None:
@@ -127,7 +128,7 @@ class _Forward:
             signal.signal(s, h)
 
 
-def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: str) -> int:
+def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: tuple[str, ...]) -> int:
     """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1."""
     failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
     frozen: list[int] = []

@@ -56,10 +56,10 @@ import time
 from pathlib import Path
 
 from ..config import Config, dump_toml
+from ..errors import EXIT_STOPPED
 from ..plan import format_table
 from .env import LaunchError, plan_for, slurm_hosts, slurm_port
 
-EX_TEMPFAIL = 75  # a job process stopped by a signal after its checkpoint
 WARNING = signal.SIGUSR1  # what --signal=B:USR1 sends before the time limit
 ENDED = {"COMPLETED": "completed", "CANCELLED": "cancelled", "TIMEOUT": "timed out", "PREEMPTED": "preempted",
          "NODE_FAIL": "node failure", "FAILED": "failed", "OUT_OF_MEMORY": "out of memory",
@@ -95,8 +95,7 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
     limit = time_seconds(time) if time else None
     if warn_before < 0:
         raise LaunchError(f"--warn-before {warn_before}: give seconds >= 0 (0 = no warning)")
-    stops_on = {n.strip() for n in cfg.cluster.stop_signals.split(",")}
-    if warn_before and WARNING.name not in stops_on:
+    if warn_before and WARNING.name not in cfg.cluster.stopping:
         raise LaunchError(f"cluster.stop_signals = {cfg.cluster.stop_signals!r} lacks {WARNING.name}, the warning "
                           f"signal of --warn-before: add it, or give --warn-before 0")
     if warn_before and limit is not None and warn_before >= limit:
@@ -247,7 +246,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
             except subprocess.TimeoutExpired:
                 step[0].kill()
                 step[0].wait()
-    if rc == EX_TEMPFAIL and WARNING in got:
+    if rc == EXIT_STOPPED and WARNING in got:
         requeue(job, run_dir)
     return rc
 
