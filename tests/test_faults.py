@@ -14,6 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import ROOT, scaletrain_cmd
+from test_failure import alive
 
 TIMEOUT_S = 5
 BASE = ["data.workers=0", "cluster.nodes=2", f"cluster.timeout_s={TIMEOUT_S}", "train.steps=60",
@@ -49,15 +50,6 @@ def wait_training(p, run_dir, world, rows=3):
         assert p.poll() is None, p.communicate()
         time.sleep(0.2)
     raise AssertionError("the job did not start")
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:  # a zombie has exited; only its parent has not reaped it yet
-        return fh.read().split(")")[-1].split()[0] != "Z"
 
 
 def no_orphans(procs):
