@@ -183,3 +183,61 @@ def test_timed_checkpoints_are_taken_at_steps_every_process_agrees_on(tmp_path, 
             if '"train"' in line][-1]
     # One a second of the job (the first after 1 s), the final one at step 200.
     assert steps[-1] == 200 and len(steps) - 1 >= int(wall) - 1 >= 1, (steps, wall)
+
+
+def role_pid(run_dir, role, index):
+    logs = [json.loads(f.read_text()) for f in (run_dir / "logs").glob("rank*.json")]
+    return next((d["rank"], d["pid"]) for d in logs if d["role"] == role and d["index"] == index)
+
+
+@pytest.mark.parametrize("strategy", ["mixed-async", "async", "backup"])
+def test_an_asynchronous_job_goes_on_without_a_lost_worker_node(tmp_path, env, strategy):
+    run_dir = tmp_path / "run"
+    sets = [f"strategy.name={strategy}", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100",
+            "strategy.backup_workers=1"]
+    p = start(run_dir, env, *sets)
+    procs = wait_training(p, run_dir, 4)
+    rank, pid = role_pid(run_dir, "worker", 2)  # node 3's worker; the PS lives on node 2
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.time()
+    while not (run_dir / "logs" / "dropped").exists() and p.poll() is None:
+        time.sleep(0.1)
+    detected = time.time() - t0
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert detected <= TIMEOUT_S + 10, detected
+    assert f"rank {rank} (worker 2 on node 3) was killed by signal SIGKILL" in err, err
+    assert "the job goes on without node 3" in err, err
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["images_applied"] == 100 * 3 * 32  # the job's target, reached by the other two
+    (lost,) = s["lost_workers"]
+    assert lost["nodes"] == [2] and lost["ranks"] == [rank], lost
+    assert 0 < lost["images"] < s["images_applied"] and 0 < lost["wall"] < s["wall_seconds"], lost
+    assert [w["node"] for w in s["per_worker"]] == [0, 1]
+    no_orphans(procs)
+
+
+def test_a_frozen_worker_of_an_asynchronous_job_is_dropped_and_killed(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=async", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100")
+    procs = wait_training(p, run_dir, 4)
+    _, pid = role_pid(run_dir, "worker", 1)
+    os.kill(pid, signal.SIGSTOP)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "(worker 1 on node 2) sent no heartbeat for 5 s; the job goes on without node 2" in err, err
+    assert json.loads((run_dir / "summary.json").read_text())["lost_workers"][0]["nodes"] == [1]
+    no_orphans(procs)
+
+
+def test_losing_the_chief_still_ends_an_asynchronous_job_naming_it(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=async", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100000")
+    procs = wait_training(p, run_dir, 4)
+    os.kill(procs[0], signal.SIGKILL)
+    t0 = time.time()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    assert time.time() - t0 <= TIMEOUT_S + 10
+    assert "rank 0 (worker 0 on node 1) was killed by signal SIGKILL" in err.splitlines()[-1], err
+    no_orphans(procs)

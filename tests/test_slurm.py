@@ -237,3 +237,20 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
     a, b = load_file(run_dir / "model.safetensors"), load_file(ref_dir / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not left_behind(run_dir)
+
+
+def test_an_asynchronous_job_goes_on_without_a_killed_worker_task(cluster, tmp_path):
+    """kill -9 of one worker task of a mixed-async job: srun keeps the others; they reach the target."""
+    run_dir = tmp_path / "lost"
+    p, job = start(cluster, run_dir, "cluster.nodes=3", "cluster.num_ps=1", "strategy.name=mixed-async",
+                   "train.steps=150", "cluster.timeout_s=5")
+    wait_for_step(run_dir, 15)
+    worker = next(d for d in placement(run_dir) if d["role"] == "worker" and d["index"] == 2)
+    os.kill(worker["pid"], 9)  # the emulated nodes share this machine
+    out, err = p.communicate(timeout=240)
+    logs = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert p.returncode == 0, out + err + logs
+    assert "the job goes on without node 3" in logs, logs
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["images_applied"] == 150 * 3 * 32 and s["lost_workers"][0]["nodes"] == [2], s
+    assert not left_behind(run_dir)

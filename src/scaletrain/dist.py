@@ -22,6 +22,18 @@ Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
 stop in the store (`stop`) and copies one found there into its own process,
 so a signal sent to any one process reaches all of them within a heartbeat
 or two. The strategies carry the bits to an agreed step (train.py).
+
+A lost worker node the strategy trains on without (`Context.tolerate`,
+strategies.survivable: asynchronous PS modes, never the chief's node) is
+dropped instead of ending the job. Only the chief declares: once such ranks
+were silent for cluster.timeout_s, its heartbeat thread tells the shards
+(`Context.on_drop`), then lists them in the store (`lost`) and in
+RUN_DIR/logs/dropped (for the launcher, which kills them if still there).
+Every heartbeat thread reads the list into `Context.dropped` and stops
+waiting for those ranks; a process that finds itself there (frozen, then
+woken) exits. No collective joins the workers of such a job after start-up
+(`Context.tolerant`): its points meet at the shards, and its end meets in the
+store (`store_gather`, `finish`), where a dropped rank is not waited for.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -73,9 +86,16 @@ class Context:
     requests: int = 0  # CHECKPOINT | STOP bits asked of this process and not yet agreed
     stop_signal: int = 0  # the number of the signal that asked for the stop (-1: heard of, not which)
     note: str = ""  # file where this process writes the ranks it left because of (for its launcher)
+    tolerant: bool = False  # the strategy trains on without lost worker nodes (see the module doc)
+    survivable: Callable[[set], bool] = lambda lost: False  # whether the job goes on without these ranks
+    lost_with: Callable[[int], list] = lambda rank: [rank]  # the ranks lost with one (its node's workers)
+    on_drop: Callable[[list], None] | None = None  # the chief's heartbeat thread, before declaring ranks lost
+    dropped: list[int] = field(default_factory=list)  # ranks declared lost; the job goes on without them
+    dropped_at: list = field(default_factory=list)  # chief: (ranks, time.perf_counter()) of each declaration
     _stop: threading.Event = field(default_factory=threading.Event)
     _finishing: threading.Event = field(default_factory=threading.Event)  # in the final barrier: rank 0 may leave
     _thread: threading.Thread | None = None
+    _main: object = None  # the main thread's store client (store_gather, finish)
 
     @property
     def rank(self) -> int:
@@ -91,6 +111,10 @@ class Context:
 
     def describe(self, rank: int) -> str:
         return self.plan.describe(rank)
+
+    def tolerate(self, ranks) -> bool:
+        """Whether the job goes on without `ranks` (with their nodes), besides those dropped."""
+        return self.survivable(set(self.dropped).union(*(self.lost_with(r) for r in ranks)))
 
     def node_workers(self) -> list[int]:
         return [p.rank for p in self.plan.workers if p.node == self.me.node]
@@ -140,7 +164,11 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
         raise
     except (RuntimeError, TimeoutError) as e:
         raise _no_rendezvous(seat, timeout, e) from None
-    ctx = Context(plan, plan.procs[seat.rank], c.timeout_s)
+    from . import strategies
+
+    ctx = Context(plan, plan.procs[seat.rank], c.timeout_s, tolerant=strategies.tolerant(cfg),
+                  survivable=lambda lost: strategies.survivable(cfg, plan, lost),
+                  lost_with=lambda rank: strategies.lost_with(plan, rank))
     local_backend = "nccl" if plan.procs[0].device.startswith("cuda") else "gloo"
     # Collective: every rank creates every group, in the same order.
     groups = []
@@ -240,11 +268,14 @@ def _heartbeat(ctx: Context) -> None:
         try:
             store.add(f"hb/{ctx.rank}", 1)
             _share_stop(ctx, store)
+            _read_dropped(ctx, store, live)
             announced = store.add("failed", 0)  # reads the counter
             if announced > failures:  # a peer announced its failure: no need to wait it out
                 failures = announced
-                _leave(ctx, store, _failed(ctx, store), "failed")
-            gone = live.missing(store)
+                failed = _failed(ctx, store)
+                if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
+                    _leave(ctx, store, failed, "failed")
+            gone = [r for r in live.missing(store) if r not in ctx.dropped]
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             # Rank 0 may have left because of a peer already seen missing: name that one first.
             gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
@@ -256,10 +287,47 @@ def _heartbeat(ctx: Context) -> None:
             lost_since = None
             continue
         lost_since = lost_since or time.monotonic()
-        if time.monotonic() - lost_since > ctx.timeout_s:
+        silent = time.monotonic() - lost_since
+        if ctx.tolerate(gone) and store is not None:  # the chief declares them; the others wait for it
+            if ctx.is_chief and silent > ctx.timeout_s:
+                _declare(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+                continue
+            silent -= STALE_S + 4 * HEARTBEAT_S
+        if silent > ctx.timeout_s:
             # The main thread may be blocked inside a collective that will
             # not return; this is the only way out within the timeout.
             _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+
+
+def _read_dropped(ctx: Context, store, live: _Liveness) -> None:
+    """The ranks the chief declared lost: no longer waited for; this process exits if among them."""
+    if not ctx.is_chief and store.check(["lost"]):
+        ctx.dropped = [int(r) for r in store.get("lost").decode().split(",")]
+    if ctx.rank in ctx.dropped:
+        print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
+              f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER)
+    for r in ctx.dropped:
+        live.seen.pop(r, None)
+
+
+def _declare(ctx: Context, store, gone: list[int], what: str) -> None:
+    """The chief drops the lost ranks, with their nodes' workers: shards first, then the store."""
+    new = sorted(set().union(*(ctx.lost_with(r) for r in gone)) - set(ctx.dropped))
+    if ctx.on_drop:
+        ctx.on_drop(new)  # a survivor that reads the store next finds the shards told
+    ctx.dropped_at.append((new, time.perf_counter()))
+    ctx.dropped = ctx.dropped + new
+    store.set("lost", ",".join(map(str, ctx.dropped)))
+    if ctx.note:
+        try:
+            with open(os.path.join(os.path.dirname(ctx.note), "dropped"), "w") as fh:
+                fh.write(",".join(map(str, ctx.dropped)) + "\n")
+        except OSError:
+            pass
+    nodes = sorted({ctx.plan.procs[r].node + 1 for r in new})
+    print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on without "
+          f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
 
 
 def _share_stop(ctx: Context, store) -> None:
@@ -285,6 +353,10 @@ def _failed(ctx: Context, store) -> list[int]:
         if r != ctx.rank and store.check([f"failed/{r}"]):
             out += [int(x) for x in store.get(f"failed/{r}").decode().split(",") if int(x) not in out]
     return [r for r in out if r != ctx.rank] or out
+
+
+def _announcers(ctx: Context, store) -> list[int]:
+    return [r for r in range(ctx.plan.world_size) if r != ctx.rank and store.check([f"failed/{r}"])]
 
 
 def _leave(ctx: Context, store, culprits: list[int], what: str) -> None:
@@ -330,7 +402,13 @@ def finish(ctx: Context) -> None:
     if not ctx.distributed:
         return
     ctx._finishing.set()
-    dist.barrier()  # untimed: the heartbeats still watch for a peer lost before it gets here
+    if ctx.tolerant:  # in the store: a process dropped meanwhile is not waited for
+        store = _main_store(ctx)
+        store.set(f"done/{ctx.rank}", "1")
+        if ctx.rank == 0:  # it serves the store: it leaves last
+            _wait_all(ctx, store, "done")
+    else:
+        dist.barrier()  # untimed: the heartbeats still watch for a peer lost before it gets here
     ctx._stop.set()
     ctx._thread.join()  # the store client is not shared across threads
     try:
@@ -338,6 +416,33 @@ def finish(ctx: Context) -> None:
     except Exception:  # noqa: BLE001 - rank 0, which serves the store, may be gone: all are past the barrier
         pass
     dist.destroy_process_group()
+
+
+def store_gather(ctx: Context, key: str, data: bytes) -> dict[int, bytes]:
+    """Every process's `data`, on rank 0 (the others get {}), through the store: a rank the job
+    went on without is not waited for (the heartbeats watch the others meanwhile)."""
+    store = _main_store(ctx)
+    store.set(f"{key}/{ctx.rank}", data)
+    if ctx.rank != 0:
+        return {}
+    ranks = _wait_all(ctx, store, key)
+    return {r: store.get(f"{key}/{r}") for r in ranks}
+
+
+def _main_store(ctx: Context):
+    """The main thread's own client of the store (the heartbeat thread has the default one)."""
+    if ctx._main is None:
+        ctx._main = _store().clone()
+    return ctx._main
+
+
+def _wait_all(ctx: Context, store, key: str) -> list[int]:
+    """Wait until every rank has set `key/RANK` or was dropped; returns those that set it."""
+    while True:
+        ranks = [r for r in range(ctx.plan.world_size) if r not in ctx.dropped]
+        if all(r == ctx.rank or store.check([f"{key}/{r}"]) for r in ranks):
+            return [r for r in ranks if r == ctx.rank or store.check([f"{key}/{r}"])]
+        time.sleep(0.05)
 
 
 def abort(ctx: Context, culprits: list[int] | None = None) -> None:

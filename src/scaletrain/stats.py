@@ -1,7 +1,8 @@
 """Per-process figures gathered at the end of a distributed run, and the run's summary.
 
 Each process packs its figures into one float64 vector of fixed layout and
-the world all-gathers them (one gloo collective; no pickled objects). The
+the world all-gathers them (one gloo collective; no pickled objects; in a
+job that goes on without lost workers, rank 0 collects them from the store). The
 job's throughput and time are not among them: those come from the chief's
 job clock (metrics.JobClock). What is summed here is work (images computed,
 bytes); what is listed per process is labelled so.
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import dist as sdist
 from .checkpoint import write_file
 from .ps.server import HIST_BINS
 
@@ -39,25 +41,33 @@ def pack(world_size: int, **values) -> torch.Tensor:
 
 
 def gather(ctx, values: dict) -> list[dict]:
-    """Every process's figures (a collective over the whole world, PS included)."""
-    return gather_all(pack(ctx.plan.world_size, **values), ctx.plan.world_size)
+    """Every process's figures, each with its rank: a collective over the whole world, PS
+    included; through the store, on rank 0 only, in a job that goes on without lost workers
+    (their rows are missing)."""
+    vec = pack(ctx.plan.world_size, **values)
+    if ctx.tolerant:
+        got = sdist.store_gather(ctx, "figures", vec.numpy().tobytes())
+        return [unpack(r, torch.frombuffer(bytearray(b), dtype=torch.float64), ctx.plan.world_size)
+                for r, b in sorted(got.items())]
+    out = [torch.zeros_like(vec) for _ in range(ctx.plan.world_size)]
+    dist.all_gather(out, vec)  # collective over the whole world, PS included
+    return [unpack(r, v, ctx.plan.world_size) for r, v in enumerate(out)]
+
+
+def unpack(rank: int, v: torch.Tensor, world_size: int) -> dict:
+    n, h = len(FIELDS), HIST_BINS
+    return dict(zip(FIELDS, v[:n].tolist()), rank=rank, hist=v[n:n + h].long(),
+                stale_sum=v[n + h:n + h + world_size], stale_count=v[n + h + world_size:])
 
 
 def job_figures(ctx, mine: dict) -> dict:
-    return summarize(gather(ctx, mine), ctx.plan.worker_nodes)
+    rows = gather(ctx, mine)
+    return summarize(rows, ctx.plan.worker_nodes) if rows else {}
 
 
 def single_figures(mine: dict) -> dict:
     return {"images_computed": mine["computed"],
             "time_split_s": {k: mine[k] for k in ("compute_s", "intra_s", "comm_s")}}
-
-
-def gather_all(vec: torch.Tensor, world_size: int) -> list[dict]:
-    out = [torch.zeros_like(vec) for _ in range(world_size)]
-    dist.all_gather(out, vec)  # collective over the whole world, PS included
-    n, h = len(FIELDS), HIST_BINS
-    return [dict(zip(FIELDS, v[:n].tolist()), hist=v[n:n + h].long(), stale_sum=v[n + h:n + h + world_size],
-                 stale_count=v[n + h + world_size:]) for v in out]
 
 
 def percentile(hist: torch.Tensor, q: float) -> int:
@@ -70,7 +80,7 @@ def percentile(hist: torch.Tensor, q: float) -> int:
 
 def summarize(rows: list[dict], nodes: int) -> dict:
     """Job-wide figures from every process's row."""
-    workers = [dict(r, rank=i) for i, r in enumerate(rows) if not r["is_ps"]]
+    workers = [r for r in rows if not r["is_ps"]]
     ps = [r for r in rows if r["is_ps"]]
     pushers = [r for r in workers if r["pusher"]]
     out = {

@@ -5,6 +5,12 @@ gradients were applied, the same unit for every strategy), or a target
 accuracy or loss is. At agreed points every worker holds the same values and
 meets the others (`Run.point`): they evaluate their slices of the test set
 together, decide together whether to stop, and the chief checkpoints.
+
+A job that goes on without lost workers (asynchronous PS modes, see dist.py)
+has no collective among its workers: at its points the shards hold the
+others while the chief alone evaluates (the whole test set, its replica) and
+checkpoints; the requests come agreed in the shards' replies, and a stop the
+chief decides reaches the others as the shards' DONE.
 """
 
 from __future__ import annotations
@@ -186,9 +192,15 @@ class Run:
         self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
                             every=cfg.train.log_every)
         workers = len(ctx.plan.workers)
-        self.evaluation = test_loader(test_set, cfg, device.type == "cuda", ctx.me.index, workers) \
-            if len(test_set) else None
-        self.group = ctx.workers_group  # None when this is the only worker
+        self.tolerant = ctx.tolerant  # no collective among the workers (see the module doc)
+        if ctx.tolerant:
+            self.evaluation = test_loader(test_set, cfg, device.type == "cuda", 0, 1) \
+                if len(test_set) and self.chief else None
+        else:
+            self.evaluation = test_loader(test_set, cfg, device.type == "cuda", ctx.me.index, workers) \
+                if len(test_set) else None
+        self.group = None if ctx.tolerant else ctx.workers_group  # None when this is the only worker
+        self.lost: list[dict] = []  # worker nodes the job went on without (chief)
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
@@ -232,9 +244,22 @@ class Run:
             self.bar.update(step, self.last_loss, rate or 0.0)
         else:
             self.clock.tick(tick.images, close=False)
+        if self.chief and len(self.ctx.dropped_at) > len(self.lost):
+            self._note_lost(tick)
         every = self.cfg.train.checkpoint_every_s
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to an agreed step
+
+    def _note_lost(self, tick: Tick) -> None:
+        """Record the worker nodes the chief declared lost since the last step: when (job clock)
+        and how far the job had come (images applied, as of this step)."""
+        for ranks, t in self.ctx.dropped_at[len(self.lost):]:
+            nodes = sorted({self.ctx.plan.procs[r].node for r in ranks})
+            self.lost.append({"nodes": nodes, "ranks": ranks, "wall": round(t - self.clock.t0, 3),
+                              "images": tick.images, "step": self.sched.step_of(tick.images)})
+            left = self.ctx.plan.worker_nodes - len({n for x in self.lost for n in x["nodes"]})
+            self.bar.message(f"step {self.sched.step_of(tick.images)}: lost node {', '.join(str(n + 1) for n in nodes)}; "
+                             f"going on with {left} worker nodes")
 
     def epoch(self, images: int) -> float:
         return images / (self.sched.step_images * self.per_epoch)
@@ -246,7 +271,9 @@ class Run:
         s, t = self.sched, self.cfg.train
         at_eval = tick.stop or s.crossed(t.eval_every, self.last_point, tick.images)
         job_loss, asked = self._reduce(reset=at_eval)  # collective: returns once every worker has arrived
-        self.ctx.requests &= ~CHECKPOINT
+        if self.tolerant:  # the shards agreed on the requests of this point
+            asked = tick.asked
+        self.ctx.requests &= ~(asked & CHECKPOINT)
         stop = tick.stop
         if asked & STOP and not stop:  # stopped before the end: checkpoint, no evaluation
             self.ctx.requests |= STOP
@@ -261,7 +288,7 @@ class Run:
             res = self._evaluate(tick, at)
             self.clock.resume()
             reached = (t.target_accuracy and res.get("test_accuracy", 0.0) >= t.target_accuracy) or \
-                (t.target_loss and job_loss <= t.target_loss)
+                (t.target_loss and job_loss <= t.target_loss and (self.chief or not self.tolerant))
             if reached and not self.target:
                 self.target = {"time_to_target": at, "images_to_target": tick.images,
                                "steps_to_target": s.step_of(tick.images)}
@@ -343,6 +370,8 @@ class Run:
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=self.compute_s,
                     intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images)
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
+        if self.chief and len(self.ctx.dropped_at) > len(self.lost):  # declared after the last step
+            self._note_lost(tick)
         if self.writer:
             self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it
         if not self.chief or self.stopped:  # a stopped run is not over: its checkpoint is its record
@@ -355,6 +384,6 @@ class Run:
             "test_loss": self.final.get("test_loss"), "best_test_accuracy": self.best,
             "target_reached": bool(self.target), **self.target,
             "skipped_images": len(self.bad), "skipped_files": sorted(self.bad)[:20],
-            "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
+            "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())

@@ -10,7 +10,10 @@ one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
 are frozen, and are killed at once (without a note, those still running a
 few seconds after the first such exit are taken for frozen). The
 launcher names the first process that failed or went silent, not one that
-left because of it.
+left because of it. A worker node the job may go on without
+(strategies.survivable) may end any way: the launcher waits for the chief's
+word (RUN_DIR/logs/dropped, see dist.py), kills what of it still runs, and
+the job's status is that of the others.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
 which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
@@ -34,6 +37,8 @@ from ..config import Config, dump_toml
 from ..dist import EXIT_PEER
 from ..errors import EXIT_STOPPED
 from ..plan import Plan
+from .. import strategies
+from ..plan import node_name
 from .env import LaunchError, plan_for
 
 
@@ -80,8 +85,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     cfg = cfg.replace(**{"cluster.master_port": cfg.cluster.master_port or free_port(addr)})
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    for note in (run_dir / "logs").glob("rank*.lost"):  # an earlier attempt's
-        note.unlink()
+    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
+        note.unlink(missing_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
     job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
@@ -99,7 +104,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
                                       preexec_fn=_die_with_parent))
         if out:
             out.close()
-    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping)
+    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
+                  lambda lost: strategies.survivable(cfg, plan, lost))
 
 
 class _Forward:
@@ -128,20 +134,28 @@ class _Forward:
             signal.signal(s, h)
 
 
-def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: tuple[str, ...]) -> int:
+def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: tuple[str, ...],
+           survivable=lambda lost: False) -> int:
     """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1."""
     failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
     frozen: list[int] = []
+    spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
     with _Forward(procs, stop_signals) as fwd:
         while any(p.poll() is None for p in procs):
             now = time.time()
+            dropped = _note(run_dir, "dropped")
+            _stop([procs[r] for r in dropped], signal.SIGKILL)  # frozen, or woken too late: the job went on
             for rank, p in enumerate(procs):
                 rc = p.poll()
-                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in frozen:
+                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in frozen + dropped + spared:
                     continue
-                if rc == EXIT_PEER:
+                if failed is None and survivable(set(dropped + spared + strategies.lost_with(plan, rank))):
+                    spared.append(rank)
+                    print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job may go on without "
+                          f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
+                elif rc == EXIT_PEER:
                     left = left or (rank, now)
-                    named = [r for r in _note(run_dir, rank) if procs[r].poll() is None]
+                    named = [r for r in _note(run_dir, f"rank{rank}.lost") if procs[r].poll() is None]
                     if named and failed is None and not frozen:  # it left because of a peer that is frozen
                         frozen = named
                         _stop(procs, signal.SIGKILL)
@@ -158,19 +172,22 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
     if fwd.killed:
         print("scaletrain: stopped at once by a second signal: no checkpoint at this step", file=sys.stderr)
         return 130 if fwd.signal == signal.SIGINT else 128 + fwd.signal
-    culprit = failed[0] if failed else frozen[0] if frozen else left[0] if left else None
+    undeclared = [r for r in spared if r not in dropped]
+    culprit = undeclared[0] if undeclared and (failed or frozen or left) else \
+        failed[0] if failed else frozen[0] if frozen else left[0] if left else None
     if culprit is not None:
         rc = None if culprit in frozen else procs[culprit].returncode
         (run_dir / "logs" / "failure.txt").write_text(describe_exit(plan, culprit, rc) + "\n")  # run.py tells it
         return 1
-    codes = {p.returncode for p in procs}
+    codes = {p.returncode for r, p in enumerate(procs) if r not in dropped + spared}
     return 130 if 130 in codes else EXIT_STOPPED if EXIT_STOPPED in codes else 0
 
 
-def _note(run_dir: Path, rank: int) -> list[int]:
-    """The ranks a process that exited with EXIT_PEER left because of (dist.write_note)."""
+def _note(run_dir: Path, name: str) -> list[int]:
+    """Ranks listed in RUN_DIR/logs/NAME: those a process that exited with EXIT_PEER left
+    because of (rankR.lost, dist.write_note), or those the job went on without (dropped)."""
     try:
-        return [int(r) for r in (run_dir / "logs" / f"rank{rank}.lost").read_text().split(",") if r.strip()]
+        return [int(r) for r in (run_dir / "logs" / name).read_text().split(",") if r.strip()]
     except (OSError, ValueError):
         return []
 

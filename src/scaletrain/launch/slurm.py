@@ -55,6 +55,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import strategies
 from ..config import Config, dump_toml
 from ..errors import EXIT_STOPPED
 from ..plan import format_table
@@ -210,6 +211,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     job = os.environ.get("SLURM_JOB_ID", "0")
     hosts = slurm_hosts(plan, os.environ)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / "dropped").unlink(missing_ok=True)  # an earlier attempt's (dist.py)
     (run_dir / "config.toml").write_text(dump_toml(cfg))  # what every process of the step reads
     hostfile = run_dir / "logs" / f"hosts-{job}.txt"
     hostfile.write_text("".join(f"{hosts[p.node]}\n" for p in plan.procs))
@@ -217,13 +219,17 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     print(f"Slurm job {job}: {plan.world_size} processes on {', '.join(hosts[:plan.nodes_total])}; "
           f"rendezvous {hosts[0]}:{port}", flush=True)
     name = f"scaletrain-{job}-{os.getpid()}"  # how the signal forwarder finds this step
+    # After a task ends, srun waits that long for the others: the heartbeats' bound, or for ever in a
+    # job that goes on without a lost worker node (its processes end on their own; dist.py).
+    tolerant = strategies.tolerant(cfg)
     cmd = ["srun", f"--job-name={name}", f"--ntasks={plan.world_size}", f"--nodes={plan.nodes_total}",
            f"--cpus-per-task={cpus_per_task(cfg)}", "--distribution=arbitrary", "--kill-on-bad-exit=0",
-           f"--wait={int(cfg.cluster.timeout_s) + 5}", "--overcommit", sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
+           f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}", "--overcommit", sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
     cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     env = dict(os.environ, SLURM_HOSTFILE=str(hostfile), SCALETRAIN_THREADS=str(max(1, cfg.train.threads)))
     step: list[subprocess.Popen] = []
     got: list[int] = []
+    started = time.time()
 
     def forward(sig, _frame):
         got.append(sig)
@@ -248,6 +254,12 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
                 step[0].wait()
     if rc == EXIT_STOPPED and WARNING in got:
         requeue(job, run_dir)
+    summary = run_dir / "summary.json"
+    if rc not in (0, EXIT_STOPPED) and tolerant and (run_dir / "logs" / "dropped").exists() and \
+            summary.exists() and summary.stat().st_mtime >= started:
+        print(f"scaletrain: the job went on without node(s) it lost (see lost_workers in {summary}) and ended; "
+              f"srun's status {rc} is theirs", flush=True)
+        return 0
     return rc
 
 

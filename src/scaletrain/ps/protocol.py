@@ -1,9 +1,10 @@
 """Messages between pushers and PS shards: tensors over torch.distributed, tagged.
 
 A message to a shard is a header [version, command, flag] (int64); a PUSH
-then carries the shard's gradient slice (float32). The flag of a PUSH says
-its sender holds a request (a stop signal, a timed checkpoint): the shard
-makes its next update an agreed point. The flag of a STOP is the number
+then carries the shard's gradient slice (float32). The flag of a PUSH holds
+its sender's requests (dist.CHECKPOINT, dist.STOP: a stop signal, a timed
+checkpoint): the shard makes its next update an agreed point, and every reply
+of that point carries the requests (ASKED), so all workers act on the same. The flag of a STOP is the number
 of the signal that stopped the job before its end (-1: unknown; 0: it ran
 to its end). Every PUSH and PULL is
 answered with a header [shard version, flags, images applied by the job]
@@ -14,6 +15,10 @@ pusher gets these same values, then the workers meet); DONE, the job's
 target is reached. PULL asks for the values of the agreed point without a
 gradient: a pusher sends it to the shards that answered its push before they
 reached the point another shard already announced (see ps/server.py).
+
+LOST [rank, LOST, 0] tells a shard that a pusher was lost and the job goes
+on without it (the chief sends it when it declares the loss, see dist.py):
+the shard stops waiting for it.
 
 SNAPSHOT asks a shard for its state (the chief, at a checkpoint); the reply
 is a header [shard version, k, images] then the values and the k
@@ -26,8 +31,9 @@ from __future__ import annotations
 import torch
 
 HEADER = 3
-PUSH, STOP, SNAPSHOT, PULL = 0, 1, 2, 3
+PUSH, STOP, SNAPSHOT, PULL, LOST = 0, 1, 2, 3, 4
 HOLD, DONE = 1, 2  # reply flags (bits)
+ASKED = 2  # reply flags >> ASKED: the requests the point was asked with
 TAG_HDR, TAG_VALS, TAG_REPLY_HDR, TAG_REPLY_VALS, TAG_SNAP = 1, 2, 3, 4, 5
 
 

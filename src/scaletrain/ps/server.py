@@ -13,14 +13,21 @@ gradient = shard version when applied - version it was computed on.
 - async: each gradient is applied as it arrives and its sender gets the
   current values back; no pusher waits for another.
 
-Agreed points (evaluation, checkpoint, the target): the update that brings
-the images to a point starts a hold. Until every active pusher has been
-answered, nothing more is applied: a push that arrives meanwhile (computed
-before the point) is dropped and answered with the point's values, flagged
-HOLD, so all pushers leave with the same values. Every shard sees every
-push, so all shards reach the point at the same count. Once the target is
-reached, every push is answered DONE and applies nothing: the job stops at
+Agreed points (evaluation, checkpoint, the target, a request): the update
+that brings the images to a point starts a hold. Nothing more is applied
+until every active pusher has been answered and the chief is back (its next
+push, or its STOP): a push computed before the point is dropped and answered
+with the point's values, flagged HOLD, so all pushers leave with the same
+values; a push computed on them waits, unread, for the hold's end. The hold
+is the workers' barrier: the chief evaluates and takes the shards' state
+while it lasts, and a lost pusher cannot block it (LOST). Every shard sees
+every push, so all shards reach the point at the same count. Once the target
+is reached, every push is answered DONE and applies nothing: the job stops at
 the same images whatever the strategy, and stragglers stop at their next push.
+
+A lost pusher (LOST, from the chief; see dist.py) leaves `active`: no update
+or hold waits for it any more. An exchange with a pusher that failed because
+it died is skipped; the heartbeats decide whether the job goes on without it.
 
 A SNAPSHOT request (from the chief, at a checkpoint) is answered at once
 with the version, the values and the optimizer state; `load` puts such a
@@ -30,6 +37,7 @@ snapshot back when a run resumes.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +57,7 @@ HIST_BINS = 64  # staleness histogram: bins 0..62, the last holds 63 and above
 
 class Shard:
     def __init__(self, cfg, index: int, pushers: list[int], mode: str, wait_for: int, schedule: Schedule,
-                 push_images: int, update_images: int) -> None:
+                 push_images: int, update_images: int, ctx=None) -> None:
         torch.manual_seed(cfg.train.seed)  # the workers' initial model, bit for bit
         params = list(build_model(cfg.model).parameters())
         self.layout = make_layout([p.numel() for p in params], cfg.cluster.num_ps, cfg.cluster.sharding)
@@ -57,7 +65,8 @@ class Shard:
         self.optimizer = build_optimizer(cfg.optim, [self.values])
         self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
         self.push_images, self.update_images = push_images, update_images
-        self.pushers, self.active = list(pushers), set(pushers)
+        self.pushers, self.active, self.lost, self.ctx = list(pushers), set(pushers), set(), ctx
+        self.chief = pushers[0]  # the chief's node pusher: the hold of a point ends when it is back
         self.version = self.images = 0
         self.hist = torch.zeros(HIST_BINS, dtype=torch.int64)
         self.stale_max, self.dropped, self.applied = 0, 0, 0
@@ -65,22 +74,31 @@ class Shard:
         self.bytes_sent = self.bytes_recv = 0
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
+        self.grad = torch.empty_like(self.values)  # where a push's gradient is received
         self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
-        self.asked = False  # a pusher holds a request: the next update is an agreed point
+        self.waiting: list[tuple[int, int, int]] = []  # pushes (src, version, requests) held to the hold's end
+        self.asked = 0  # requests pushers hold: the next update is an agreed point
+        self.point_asked = 0  # the requests of the current point
         self.stopped = 0  # the signal that stopped the job before its end (-1: unknown), see protocol.py
+        self.over = False  # the chief stopped (a target accuracy or loss reached): every push is DONE
 
     @property
     def done(self) -> bool:
-        return self.images >= self.schedule.target
+        return self.images >= self.schedule.target or self.over
 
     def serve(self) -> None:
-        hdr, grad = torch.zeros(P.HEADER, dtype=torch.int64), torch.empty_like(self.values)
+        hdr = torch.zeros(P.HEADER, dtype=torch.int64)
         while self.active:
             src = dist.recv(hdr, tag=P.TAG_HDR)  # point-to-point from any pusher; blocks, untimed
             version, command = int(hdr[0]), int(hdr[1])
             self.bytes_recv += P.HEADER * 8
-            if command == P.STOP:
+            if command == P.LOST:
+                self._drop(version)
+            elif src in self.lost:  # a lost pusher that was only frozen: never answered (it exits)
+                pass
+            elif command == P.STOP:
                 self.stopped = self.stopped or int(hdr[2])
+                self.over |= src == self.chief
                 self.active.discard(src)
                 self._maybe_apply()
                 self._release()
@@ -91,11 +109,53 @@ class Shard:
                     self._reply([src])
                 else:
                     self.pulls.append(src)
+            elif self.holding and src in self.answered:  # computed on the point's values: after the hold
+                self.waiting.append((src, version, int(hdr[2])))
+                self._release()
             else:
-                dist.recv(grad, src=src, tag=P.TAG_VALS)
-                self.bytes_recv += grad.numel() * grad.element_size()
-                self.asked |= bool(hdr[2]) and not (self.holding or self.done)
-                self._push(src, version, grad)
+                self._receive(src, version, int(hdr[2]))
+
+    def _receive(self, src: int, version: int, requests: int) -> None:
+        grad = self.grad
+        if self._talk(src, lambda: dist.recv(grad, src=src, tag=P.TAG_VALS)):
+            self.bytes_recv += grad.numel() * grad.element_size()
+            if not (self.holding or self.done):
+                self.asked |= requests
+            self._push(src, version, grad)
+
+    def _drop(self, rank: int) -> None:
+        """A pusher lost for good: go on without it."""
+        if rank not in self.pushers or rank in self.lost:
+            return
+        log.warning("PS shard %d: going on without %s", self.index, self._name(rank))
+        self.lost.add(rank)
+        self.active.discard(rank)
+        self.pulls = [r for r in self.pulls if r != rank]
+        self.waiting = [w for w in self.waiting if w[0] != rank]
+        self._maybe_apply()
+        self._release()
+
+    def _talk(self, peer: int, op) -> bool:
+        """op(), a send to or receive from `peer`; False when it failed because the peer is gone
+        (dead: its connection closed) and the job may go on without it."""
+        try:
+            op()
+            return True
+        except RuntimeError as e:
+            ctx = self.ctx
+            if ctx is None or not ctx.tolerate([peer]):
+                raise
+            deadline = time.monotonic() + dist.STALE_S + 2  # a dead peer's heartbeat needs a moment to age
+            while peer not in ctx.gone + ctx.dropped and time.monotonic() < deadline:
+                time.sleep(dist.HEARTBEAT_S)
+            if peer not in ctx.gone + ctx.dropped:
+                raise
+            log.warning("PS shard %d: %s is gone (%s)", self.index, self._name(peer), str(e).splitlines()[0][:120])
+            self.active.discard(peer)  # the chief's LOST follows, or the heartbeats end the job
+            return False
+
+    def _name(self, rank: int) -> str:
+        return self.ctx.describe(rank) if self.ctx else f"rank {rank}"
 
     def _push(self, src: int, version: int, grad: torch.Tensor) -> None:
         if self.holding or self.done:  # computed before the point: not applied
@@ -134,7 +194,7 @@ class Shard:
         self.applied += 1
         before, self.images = self.images, self.images + images
         if self.images >= s.next_point(before) or self.asked:
-            self.holding, self.answered, self.asked = True, set(), False
+            self.holding, self.answered, self.point_asked, self.asked = True, set(), self.asked, 0
             pulls, self.pulls = self.pulls, []
             self._reply(pulls)
 
@@ -146,20 +206,33 @@ class Shard:
 
     def _reply(self, dsts: list[int]) -> None:
         vals = self.values.detach()
-        flags = (P.HOLD if self.holding or self.done else 0) | (P.DONE if self.done else 0)
-        for dst in dsts:
+        flags = (P.HOLD | self.point_asked << P.ASKED if self.holding or self.done else 0) | \
+            (P.DONE if self.done else 0)
+        hdr = P.header(self.version, flags, self.images)
+
+        def answer(dst: int) -> None:
             # The pusher posted its receives before pushing, so these do not wait on it.
-            dist.send(P.header(self.version, flags, self.images), dst=dst, tag=P.TAG_REPLY_HDR)
+            dist.send(hdr, dst=dst, tag=P.TAG_REPLY_HDR)
             dist.send(vals, dst=dst, tag=P.TAG_REPLY_VALS)
-            self.bytes_sent += P.HEADER * 8 + vals.numel() * vals.element_size()
+
+        for dst in dsts:
+            if dst not in self.lost and self._talk(dst, lambda: answer(dst)):
+                self.bytes_sent += P.HEADER * 8 + vals.numel() * vals.element_size()
         if self.holding:
             self.answered.update(dsts)
             self._release()
 
     def _release(self) -> None:
-        """The hold ends once every active pusher has the point's values."""
-        if self.holding and self.answered >= self.active:
-            self.holding = False
+        """The hold ends once every active pusher has the point's values and the chief is back;
+        then the pushes that waited for it are taken in the order they came."""
+        back = self.chief not in self.active or any(w[0] == self.chief for w in self.waiting)
+        if not (self.holding and self.answered >= self.active and back):
+            return
+        self.holding = False
+        waiting, self.waiting = self.waiting, []
+        for src, version, requests in waiting:
+            if src in self.active:
+                self._receive(src, version, requests)
 
     def state(self) -> list[torch.Tensor]:
         """The values, then the optimizer state tensors (none before the first update)."""
@@ -200,7 +273,7 @@ def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
         train_images = len(build_datasets(cfg)[0])
     shard = Shard(cfg, ctx.me.index, pushers, e.server, strategies.wait_for(cfg, len(pushers)),
                   schedule.from_config(cfg, train_images), strategies.push_images(cfg),
-                  strategies.images_per_update(cfg))
+                  strategies.images_per_update(cfg), ctx)
     found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
     if found is not None:  # the workers load the same file and check its config
         state, path = found

@@ -1,7 +1,8 @@
 """The strategy registry: the only place that maps strategy names to behaviour.
 
 Each entry gives the worker-side class (and its options) and, for PS
-strategies, the server's mode: how many node gradients a shard waits for.
+strategies, the server's mode: how many node gradients a shard waits for,
+and whether the job trains on when a worker node is lost (`survivable`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ class Entry:
     server: str = ""      # "sync": wait for a version's gradients | "async": apply each at once
     per_node: bool = True  # one pusher per node (averaged inside) or one per replica
     backups: bool = False  # a version may go without strategy.backup_workers node gradients
+    survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
 
 
 REGISTRY: dict[str, Entry] = {
     "allreduce": Entry(AllReduce, uses_ps=False),
     "sync": Entry(PSClient, uses_ps=True, server="sync"),
-    "backup": Entry(PSClient, uses_ps=True, server="sync", backups=True),
-    "mixed-async": Entry(PSClient, uses_ps=True, server="async"),
-    "async": Entry(PSClient, uses_ps=True, server="async", per_node=False),
+    "backup": Entry(PSClient, uses_ps=True, server="sync", backups=True, survives_loss=True),
+    "mixed-async": Entry(PSClient, uses_ps=True, server="async", survives_loss=True),
+    "async": Entry(PSClient, uses_ps=True, server="async", per_node=False, survives_loss=True),
 }
 
 
@@ -70,3 +72,27 @@ def images_per_update(cfg) -> int:
 def wait_for(cfg, pushers: int) -> int:
     """Gradients a synchronous shard needs per version: all, less the backups."""
     return pushers - (cfg.strategy.backup_workers if entry(cfg).backups else 0)
+
+
+def tolerant(cfg) -> bool:
+    """Whether the job goes on without a lost worker node (then no collective joins the
+    workers: agreed points meet at the shards, see ps/server.py)."""
+    return entry(cfg).survives_loss and not cfg.strategy.emulate_workers
+
+
+def lost_with(plan, rank: int) -> list[int]:
+    """`rank` and the workers lost with it: its node's, which average and broadcast with it every step."""
+    node = plan.procs[rank].node
+    return sorted({rank} | {p.rank for p in plan.workers if p.node == node})
+
+
+def survivable(cfg, plan, lost) -> bool:
+    """Whether the job trains on without the processes `lost` (ranks): only workers, never the
+    chief's node (it evaluates, checkpoints and serves the rendezvous), and under backup at most
+    strategy.backup_workers nodes (each update still gets its N-b node gradients)."""
+    if not lost or not tolerant(cfg) or any(plan.procs[r].role != "worker" for r in lost):
+        return False
+    nodes = {plan.procs[r].node for r in lost}
+    if plan.workers[0].node in nodes:
+        return False
+    return not entry(cfg).backups or len(nodes) <= cfg.strategy.backup_workers

@@ -26,6 +26,7 @@ class Tick:
     images: int   # images the job has applied so far, as this process knows it
     hold: bool    # an agreed point: every worker holds the same values now
     stop: bool    # the job's target is reached
+    asked: int = 0  # at a point the shards agreed (PS): the requests it was asked with (dist.CHECKPOINT, STOP)
 
 
 @dataclass

@@ -6,6 +6,12 @@ the shard version it was computed on, receives the shard's current values
 and the job's progress, and shares both inside the node. What the shard does with the gradient
 (wait for all nodes, for the first N-b, or apply at once) is the server's
 mode; this side is the same for all four.
+
+When the chief declares a worker node lost (dist.py), its heartbeat thread
+tells every shard (LOST, `_announce`): the message that wakes a shard waiting
+for nobody but the lost. It is a second thread sending to the shards beside
+the main one; gloo's pairs take sends from several threads, and the shard
+tells the messages apart by their command.
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ class PSClient(Strategy):
         self.layout = make_layout([p.numel() for p in self.params], cfg.cluster.num_ps, cfg.cluster.sharding)
         self.servers = [p.rank for p in ctx.plan.ps]
         self.versions = [0] * len(self.servers)
+        self._told: list = []  # LOST sends in flight (a shard that has stopped serving never takes them)
+        if ctx.is_chief:
+            ctx.on_drop = self._announce
+
+    def _announce(self, ranks: list[int]) -> None:
+        """The chief's heartbeat thread: tell the shards to go on without these pushers."""
+        for server in self.servers:
+            for r in ranks:
+                try:
+                    self._told.append(dist.isend(P.header(r, P.LOST), dst=server, tag=P.TAG_HDR))
+                except RuntimeError:  # that shard is gone: the heartbeats end the job
+                    pass
 
     def step(self, lr: float) -> Tick:
         grads = self.grads()
@@ -55,7 +73,7 @@ class PSClient(Strategy):
                 p.data.copy_(v)
         self.counters.steps += 1
         images, flags = info.tolist()  # host-device sync on GPU (the pusher's .cpu() already was one)
-        return Tick(images, bool(flags & P.HOLD), bool(flags & P.DONE))
+        return Tick(images, bool(flags & P.HOLD), bool(flags & P.DONE), flags >> P.ASKED)
 
     def _exchange(self, msgs: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Send (shard, header, payload) messages and receive each shard's reply into the
@@ -91,7 +109,7 @@ class PSClient(Strategy):
         """Push to every shard; returns (images applied, flags). When some shard announced an
         agreed point and another answered before reaching it, PULL that one's point values,
         so this node leaves the point with every shard's values of it."""
-        asked = int(bool(self.ctx.requests))  # a stop signal or timed checkpoint: the shards hold at the next update
+        asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards hold at the next update
         hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), gather(grads, self.layout.shards[k]))
                                for k in range(len(self.servers))])
         behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
