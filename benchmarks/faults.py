@@ -13,6 +13,11 @@ scenario on stdout:
   steps_lost      steps computed and thrown away (last step reached - step resumed from)
   weights_equal   final weights == an uninterrupted run's (deterministic strategies), null when not compared
   orphans         job processes alive after it ended
+  target_reached  (asynchronous jobs that lose a worker node, 3 nodes) the job applied its target's images
+
+Scenarios of asynchronous jobs (3 nodes, 1 PS) lose a worker node and go on:
+detect_s is then fault -> the chief's declaration, recover_s fault -> the
+first metrics row logged after it.
 
     python benchmarks/faults.py [--only NAME ...]
 """
@@ -181,6 +186,58 @@ def killed_launcher(tmp: Path, strategy: str) -> dict:
                 steps_lost=None, weights_equal=None, orphans=orphans(pids))
 
 
+def lost_node(tmp: Path, strategy: str, sig: signal.Signals) -> dict:
+    """kill -9 or SIGSTOP of worker 2 (node 3) of an asynchronous job: it goes on with the others."""
+    run_dir = tmp / f"lost-{strategy}-{sig.name}"
+    sets = [f"strategy.name={strategy}", "cluster.num_ps=1", "cluster.nodes=3", "strategy.backup_workers=1",
+            "train.steps=100"]
+    job = Job(run_dir, sets)
+    pids = job.training(4)
+    rank = next(r for r, pid in pids.items()
+                if json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["index"] == 2
+                and json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["role"] == "worker")
+    t0 = time.time()
+    os.kill(pids[rank], sig)
+    declared, rows = None, 0
+    while job.p.poll() is None and declared is None:
+        declared = job.first("the job goes on without", t0)
+        rows = len(job.steps_logged())
+        time.sleep(0.05)
+    trained = None
+    while job.p.poll() is None and trained is None:
+        trained = time.time() - t0 if len(job.steps_logged()) > rows else None
+        time.sleep(0.05)
+    rc = job.wait()
+    summary = json.loads((run_dir / "summary.json").read_text()) if rc == 0 else {}
+    return dict(fault=f"{'kill -9' if sig == signal.SIGKILL else sig.name} worker 2 (node 3)", strategy=strategy,
+                detect_s=declared, recover_s=trained, exit=rc, steps_lost=0 if rc == 0 else None,
+                weights_equal=None, target_reached=summary.get("images_applied") == 100 * 3 * 32,
+                lost_workers=summary.get("lost_workers"), orphans=orphans(pids))
+
+
+def smaller_restart(tmp: Path) -> dict:
+    """kill -9 of worker 2 of a 3-node allreduce job with cluster.min_nodes=2: it restarts on 2 nodes."""
+    run_dir = tmp / "smaller-allreduce"
+    job = Job(run_dir, ["strategy.name=allreduce", "cluster.nodes=3", "cluster.min_nodes=2",
+                        "cluster.max_restarts=1"])
+    pids = job.training(3, after_step=30)
+    reached = job.steps_logged()[-1]
+    t0 = time.time()
+    os.kill(pids[2], signal.SIGKILL)
+    restart = None
+    while job.p.poll() is None and restart is None:
+        restart = job.first("restart 1 of", t0)
+        time.sleep(0.05)
+    resumed_from = newest_checkpoint(run_dir)
+    rc = job.wait()
+    summary = json.loads((run_dir / "summary.json").read_text()) if rc == 0 else {}
+    return dict(fault="kill -9 worker 2 (node 3), min_nodes=2", strategy="allreduce",
+                detect_s=job.first("was killed", t0), recover_s=restart, exit=rc,
+                steps_lost=max(reached - resumed_from, 0), weights_equal=None,
+                nodes_after=summary.get("nodes"), target_reached=summary.get("images_applied") == 60 * 3 * 32,
+                orphans=orphans(pids))
+
+
 _references: dict[str, Path] = {}
 
 
@@ -201,6 +258,11 @@ SCENARIOS = {
     "kill-restart-allreduce": lambda t: kill_with_restart(t, "allreduce"),
     "sigstop-allreduce": lambda t: frozen(t, "allreduce"),
     "kill-launcher": lambda t: killed_launcher(t, "sync"),
+    "kill-worker-mixed-async": lambda t: lost_node(t, "mixed-async", signal.SIGKILL),
+    "kill-worker-async": lambda t: lost_node(t, "async", signal.SIGKILL),
+    "kill-worker-backup": lambda t: lost_node(t, "backup", signal.SIGKILL),
+    "sigstop-worker-async": lambda t: lost_node(t, "async", signal.SIGSTOP),
+    "kill-restart-smaller-allreduce": smaller_restart,
 }
 
 

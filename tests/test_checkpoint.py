@@ -159,3 +159,17 @@ def test_refused_resume_leaves_config_toml_as_it_was(digits_cfg, tmp_path, capsy
         assert "differing keys: cluster.nodes (1 -> 2); to start a new run, choose another --run-dir" in line, line
         assert (run_dir / "config.toml").read_text() == config
     assert not (run_dir / "logs").exists()  # no process was started
+
+
+def test_node_count_may_change_on_resume_under_allreduce_only():
+    from scaletrain.config import build_config
+
+    def flat(strategy, nodes):
+        return build_config({"cluster": {"nodes": nodes, "num_ps": int(strategy != "allreduce")},
+                             "strategy": {"name": strategy}}).flat()
+
+    assert checkpoint.config_differences(flat("allreduce", 3), flat("allreduce", 2)) == []
+    assert checkpoint.config_differences(flat("sync", 3), flat("sync", 2)) == ["cluster.nodes"]
+    with pytest.raises(CheckpointError, match=r"cluster.nodes \(3 -> 2\); a resume at another node count is "
+                                              r"defined for strategy.name = 'allreduce' only"):
+        checkpoint.check_config("ckpt-20.pt", flat("mixed-async", 3), flat("mixed-async", 2))

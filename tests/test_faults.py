@@ -241,3 +241,21 @@ def test_losing_the_chief_still_ends_an_asynchronous_job_naming_it(tmp_path, env
     assert time.time() - t0 <= TIMEOUT_S + 10
     assert "rank 0 (worker 0 on node 1) was killed by signal SIGKILL" in err.splitlines()[-1], err
     no_orphans(procs)
+
+
+def test_a_restart_leaves_the_failed_node_out_when_min_nodes_allows(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "cluster.nodes=3", "cluster.min_nodes=2",
+              "cluster.max_restarts=1")
+    procs = wait_training(p, run_dir, 3, rows=6)  # past the first checkpoint (step 20)
+    os.kill(procs[2], signal.SIGKILL)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    line = next(x for x in err.splitlines() if "restart 1 of 1" in x)
+    assert "rank 2 (worker 2 on node 3) was killed by signal SIGKILL; restart 1 of 1 without node 3 " \
+           "(2 worker nodes, cluster.min_nodes = 2): resuming from the checkpoint of step" in line, line
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["nodes"] == 2 and s["replicas"] == 2
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["images"] == 60 * 3 * 32 and s["steps"] == 90  # the job's target, in images, is kept
+    no_orphans(procs)

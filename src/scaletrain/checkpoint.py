@@ -36,7 +36,7 @@ PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
 # how often to report, not what is being computed.
 RESUMABLE_CHANGES = {
     "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every", "train.checkpoint_every_s",
-    "cluster.max_restarts", "cluster.stop_signals",
+    "cluster.max_restarts", "cluster.stop_signals", "cluster.min_nodes",
     "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps", "train.target_accuracy",
     "train.target_loss",
     "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
@@ -267,18 +267,24 @@ def check_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> 
     in a key that matters for resuming."""
     diff = config_differences(saved, current)
     if diff:
+        hint = "; a resume at another node count is defined for strategy.name = 'allreduce' only" \
+            if "cluster.nodes" in diff else ""
         raise CheckpointError(f"{path} was written with another config; differing keys: " + ", ".join(
             f"{k} ({saved.get(k)!r} -> {current.get(k)!r})" for k in diff)
-            + "; to start a new run, choose another --run-dir")
+            + f"{hint}; to start a new run, choose another --run-dir")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Keys (flat, dotted) whose values differ and that matter for resuming. A key the
-    saved config lacks (written before the key existed) counts as its default."""
+    saved config lacks (written before the key existed) counts as its default. Under
+    allreduce the node count may change (every replica holds the one state, and progress
+    is counted in images)."""
     from .config import Config
 
     saved = {**Config().flat(), **saved}
     keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
+    if saved.get("strategy.name") == current.get("strategy.name") == "allreduce":
+        keys.discard("cluster.nodes")
     return sorted(k for k in keys if saved.get(k) != current.get(k))
 
 

@@ -122,6 +122,8 @@ class ClusterConfig:
                            lo=1.0, hi=86400.0)
     max_restarts: int = opt(0, "restart a failed job from its newest complete checkpoint up to this many times "
                             "(local launcher and Slurm job step; 0..1000)", lo=0, hi=1000)
+    min_nodes: int = opt(0, "a restart may leave a failed worker node out while this many remain "
+                         "(strategy allreduce; 0 = always cluster.nodes; 0..4096)", lo=0, hi=4096)
     stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop the job after a checkpoint at the next step all "
                             "processes agree on (comma-separated; Ctrl-C/SIGINT always does)")
     master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
@@ -271,6 +273,12 @@ def _check_relations(cfg: Config) -> None:
                               f"{', '.join(STOP_SIGNALS)}")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
+    if c.min_nodes > c.nodes:
+        raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
+    if 0 < c.min_nodes < c.nodes and s.name != "allreduce":
+        raise ConfigError(f"cluster.min_nodes = {c.min_nodes} below cluster.nodes = {c.nodes}: a restart on fewer "
+                          f"nodes is defined for strategy.name = 'allreduce' only (under {s.name!r} the parameter "
+                          "servers' updates and shards are tied to the node count)")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
         raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
 

@@ -7,15 +7,19 @@ Where the job runs follows from the config and from where this process is:
 - inside a Slurm allocation, one srun step starts every process of the plan;
 - otherwise the local launcher starts them all on this machine.
 A job that fails is started again from its newest complete checkpoint, up
-to cluster.max_restarts times. torch is imported only once a job is about
-to run.
+to cluster.max_restarts times; without the failed worker node when
+cluster.min_nodes allows (allreduce: train.steps is rescaled so that the
+job's target stays the same images). torch is imported only once a job is
+about to run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +61,7 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
         from .launch.slurm import run_job as start
     else:
         from .launch.local import launch as start
-    restarts, failure = 0, run_dir / "logs" / "failure.txt"
+    restarts, failure = 0, run_dir / "logs" / "failure.json"
     while True:
         failure.unlink(missing_ok=True)
         rc = start(cfg, run_dir, resume=resume, progress=progress)
@@ -65,14 +69,34 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
             return json.loads((run_dir / "summary.json").read_text())
         if rc in (EXIT_STOPPED, 130):  # the launcher saw every process stop on request
             raise (KeyboardInterrupt if rc == 130 else Stopped)(_where(run_dir))
-        what = failure.read_text().strip() if failure.exists() else f"exit status {rc}"
+        culprit = json.loads(failure.read_text()) if failure.exists() else {"what": f"exit status {rc}"}
         if restarts >= cfg.cluster.max_restarts:
-            raise RunError(f"the job failed: {what}" + (f" (after {restarts} restarts)" if restarts else "")
+            raise RunError(f"the job failed: {culprit['what']}" + (f" (after {restarts} restarts)" if restarts else "")
                            + f"; logs in {run_dir / 'logs'}")
         restarts += 1
         resume = bool(_checkpoints(run_dir))
-        print(f"scaletrain: {what}; restart {restarts} of {cfg.cluster.max_restarts}: "
+        smaller, without = _without(cfg, culprit)
+        if smaller is not None:
+            cfg = smaller
+            if launch_env.in_slurm_allocation():
+                start = partial(start, exclude=(culprit.get("host"),))
+        print(f"scaletrain: {culprit['what']}; restart {restarts} of {cfg.cluster.max_restarts}{without}: "
               f"{_where(run_dir, lost=True)}", file=sys.stderr, flush=True)
+
+
+def _without(cfg, culprit: dict):
+    """The config of a restart that leaves the failed worker node out, when cluster.min_nodes
+    allows it, and the words that say so; (None, "") otherwise. The target stays the same
+    images: train.steps counts global batches, which get smaller."""
+    c = cfg.cluster
+    node = culprit.get("node")
+    if node is None or culprit.get("role") != "worker" or not c.min_nodes or c.nodes - 1 < c.min_nodes:
+        return None, ""
+    sets = {"cluster.nodes": c.nodes - 1}
+    if cfg.train.steps:
+        sets["train.steps"] = math.ceil(cfg.train.steps * c.nodes / (c.nodes - 1))
+    return cfg.replace(**sets), (f" without node {node + 1} ({c.nodes - 1} worker nodes, "
+                                 f"cluster.min_nodes = {c.min_nodes})")
 
 
 def _checkpoints(run_dir: Path) -> list[int]:

@@ -80,9 +80,9 @@ def expand_nodelist(text: str) -> list[str]:
     return hosts
 
 
-def slurm_hosts(plan: Plan, env) -> list[str]:
-    """The allocation's hosts in order: plan node k runs on the k-th."""
-    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+def slurm_hosts(plan: Plan, env, exclude=()) -> list[str]:
+    """The allocation's hosts in order, less `exclude`: plan node k runs on the k-th."""
+    hosts = [h for h in expand_nodelist(env.get("SLURM_JOB_NODELIST", "")) if h not in exclude]
     if len(hosts) < plan.nodes_total:
         raise LaunchError(f"the plan needs {plan.nodes_total} nodes; the allocation has {len(hosts)} "
                           f"({env.get('SLURM_JOB_NODELIST', '')}): `scaletrain slurm` asks for the right count")

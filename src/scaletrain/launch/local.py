@@ -25,6 +25,7 @@ kill -9, takes its processes with it.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -177,10 +178,17 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
         failed[0] if failed else frozen[0] if frozen else left[0] if left else None
     if culprit is not None:
         rc = None if culprit in frozen else procs[culprit].returncode
-        (run_dir / "logs" / "failure.txt").write_text(describe_exit(plan, culprit, rc) + "\n")  # run.py tells it
+        write_failure(run_dir, plan, culprit, describe_exit(plan, culprit, rc))
         return 1
     codes = {p.returncode for r, p in enumerate(procs) if r not in dropped + spared}
     return 130 if 130 in codes else EXIT_STOPPED if EXIT_STOPPED in codes else 0
+
+
+def write_failure(run_dir: Path, plan: Plan, rank: int, what: str, host: str | None = None) -> None:
+    """RUN_DIR/logs/failure.json: the process that failed first, for run.py's line and restart."""
+    p = plan.procs[rank]
+    (run_dir / "logs" / "failure.json").write_text(json.dumps(
+        {"rank": rank, "role": p.role, "node": p.node, "host": host, "what": what}) + "\n")
 
 
 def _note(run_dir: Path, name: str) -> list[int]:

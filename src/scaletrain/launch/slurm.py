@@ -46,6 +46,7 @@ status N).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -60,6 +61,7 @@ from ..config import Config, dump_toml
 from ..errors import EXIT_STOPPED
 from ..plan import format_table
 from .env import LaunchError, plan_for, slurm_hosts, slurm_port
+from .local import write_failure
 
 WARNING = signal.SIGUSR1  # what --signal=B:USR1 sends before the time limit
 ENDED = {"COMPLETED": "completed", "CANCELLED": "cancelled", "TIMEOUT": "timed out", "PREEMPTED": "preempted",
@@ -204,14 +206,16 @@ def follow(job: str) -> tuple[str, str, int]:
         pause = min(cap, pause * 2)
 
 
-def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
+def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True, exclude=()) -> int:
     """Inside an allocation: start every process of the plan with one srun step, pass SIGTERM and
-    the warning signal on to every task, and requeue the job when the warning stopped it."""
+    the warning signal on to every task, and requeue the job when the warning stopped it.
+    exclude: hosts of the allocation left out (a failed node, see run.py)."""
     plan = plan_for(cfg)
     job = os.environ.get("SLURM_JOB_ID", "0")
-    hosts = slurm_hosts(plan, os.environ)
+    hosts = slurm_hosts(plan, os.environ, exclude)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs" / "dropped").unlink(missing_ok=True)  # an earlier attempt's (dist.py)
+    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
+        note.unlink(missing_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))  # what every process of the step reads
     hostfile = run_dir / "logs" / f"hosts-{job}.txt"
     hostfile.write_text("".join(f"{hosts[p.node]}\n" for p in plan.procs))
@@ -254,6 +258,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
                 step[0].wait()
     if rc == EXIT_STOPPED and WARNING in got:
         requeue(job, run_dir)
+    if rc not in (0, EXIT_STOPPED, 130):
+        _name_culprit(run_dir, plan)
     summary = run_dir / "summary.json"
     if rc not in (0, EXIT_STOPPED) and tolerant and (run_dir / "logs" / "dropped").exists() and \
             summary.exists() and summary.stat().st_mtime >= started:
@@ -261,6 +267,22 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
               f"srun's status {rc} is theirs", flush=True)
         return 0
     return rc
+
+
+def _name_culprit(run_dir: Path, plan) -> None:
+    """logs/failure.json for run.py: the process most of the others left because of (their
+    rankR.lost notes, dist.write_note), with the host it ran on."""
+    named: list[int] = []
+    for note in (run_dir / "logs").glob("rank*.lost"):
+        named += [int(r) for r in note.read_text().split(",") if r.strip().isdigit()]
+    if not named:
+        return
+    rank = max(sorted(set(named)), key=named.count)
+    try:
+        host = json.loads((run_dir / "logs" / f"rank{rank}.json").read_text()).get("SLURMD_NODENAME")
+    except (OSError, ValueError):
+        host = None
+    write_failure(run_dir, plan, rank, f"{plan.describe(rank)} failed or went silent (see its log)", host)
 
 
 def forward_signal(job: str, name: str, sig: int, step: subprocess.Popen) -> None:

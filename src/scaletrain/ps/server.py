@@ -88,8 +88,16 @@ class Shard:
 
     def serve(self) -> None:
         hdr = torch.zeros(P.HEADER, dtype=torch.int64)
+        failures = 0
         while self.active:
-            src = dist.recv(hdr, tag=P.TAG_HDR)  # point-to-point from any pusher; blocks, untimed
+            try:
+                src = dist.recv(hdr, tag=P.TAG_HDR)  # point-to-point from any pusher; blocks, untimed
+            except RuntimeError as e:  # a pusher died while its message was on its way
+                failures += 1
+                if failures > 3 or not self._gone(None, e):
+                    raise
+                continue
+            failures = 0
             version, command = int(hdr[0]), int(hdr[1])
             self.bytes_recv += P.HEADER * 8
             if command == P.LOST:
@@ -142,17 +150,28 @@ class Shard:
             op()
             return True
         except RuntimeError as e:
-            ctx = self.ctx
-            if ctx is None or not ctx.tolerate([peer]):
+            if not self._gone(peer, e):
                 raise
-            deadline = time.monotonic() + dist.STALE_S + 2  # a dead peer's heartbeat needs a moment to age
-            while peer not in ctx.gone + ctx.dropped and time.monotonic() < deadline:
-                time.sleep(dist.HEARTBEAT_S)
-            if peer not in ctx.gone + ctx.dropped:
-                raise
-            log.warning("PS shard %d: %s is gone (%s)", self.index, self._name(peer), str(e).splitlines()[0][:120])
             self.active.discard(peer)  # the chief's LOST follows, or the heartbeats end the job
             return False
+
+    def _gone(self, peer: int | None, err: RuntimeError) -> bool:
+        """Whether `err` is the doing of a pusher (`peer`, or any when None) that is gone and
+        that the job may go on without; waits for its heartbeat to age."""
+        ctx = self.ctx
+        if ctx is None or not ctx.tolerant:
+            return False
+        deadline = time.monotonic() + dist.STALE_S + 2
+        while time.monotonic() < deadline:
+            gone = [r for r in ctx.gone + ctx.dropped if r in self.pushers and (peer is None or r == peer)]
+            if gone:
+                break
+            time.sleep(dist.HEARTBEAT_S)
+        if not gone or not ctx.tolerate(gone):
+            return False
+        log.warning("PS shard %d: %s is gone (%s)", self.index, ", ".join(map(self._name, gone)),
+                    str(err).splitlines()[0][:120])
+        return True
 
     def _name(self, rank: int) -> str:
         return self.ctx.describe(rank) if self.ctx else f"rank {rank}"
