@@ -152,11 +152,12 @@ def test_refused_resume_leaves_config_toml_as_it_was(digits_cfg, tmp_path, capsy
     for resume in ([], ["--resume"]):
         rc = main(["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet", *resume,
                    "--set", "data.workers=0", "--set", "train.log_every=5", "--set", "train.steps=2",
-                   "--set", "cluster.nodes=2"])
+                   "--set", "cluster.gpus_per_node=2"])
         err = capsys.readouterr().err
         assert rc == 1, err
         [line] = [x for x in err.splitlines() if x.startswith("scaletrain")]
-        assert "differing keys: cluster.nodes (1 -> 2); to start a new run, choose another --run-dir" in line, line
+        assert "differing keys: cluster.gpus_per_node (1 -> 2); to start a new run, choose another --run-dir" \
+            in line, line
         assert (run_dir / "config.toml").read_text() == config
     assert not (run_dir / "logs").exists()  # no process was started
 
