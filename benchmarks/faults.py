@@ -234,8 +234,14 @@ def smaller_restart(tmp: Path) -> dict:
     return dict(fault="kill -9 worker 2 (node 3), min_nodes=2", strategy="allreduce",
                 detect_s=job.first("was killed", t0), recover_s=restart, exit=rc,
                 steps_lost=max(reached - resumed_from, 0), weights_equal=None,
-                nodes_after=summary.get("nodes"), target_reached=summary.get("images_applied") == 60 * 3 * 32,
+                nodes_after=summary.get("nodes"), target_reached=last_images(run_dir) == 60 * 3 * 32,
                 orphans=orphans(pids))
+
+
+def last_images(run_dir: Path) -> int:
+    """The job's images at its last metrics row (summary.json counts from the last resume)."""
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    return rows[-1]["images"] if rows else 0
 
 
 _references: dict[str, Path] = {}
