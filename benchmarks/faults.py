@@ -89,6 +89,14 @@ class Job:
     def first(self, text: str, since: float) -> float | None:
         return next((t - since for t, line in self.lines if text in line and t >= since), None)
 
+    def until(self, text: str, since: float) -> float | None:
+        """Seconds from `since` to the first line with `text`; None when the job ended first."""
+        seen = None
+        while self.p.poll() is None and seen is None:
+            seen = self.first(text, since)
+            time.sleep(0.05)
+        return seen or self.first(text, since)
+
     def wait(self) -> int:
         rc = self.p.wait(timeout=600)
         self.reader.join()
@@ -141,13 +149,9 @@ def kill_with_restart(tmp: Path, strategy: str) -> dict:
     run_dir = tmp / f"restart-{strategy}"
     job = Job(run_dir, STRATEGY[strategy] + ["cluster.max_restarts=2"])
     pids = job.training(3 if strategy != "allreduce" else 2, after_step=30)
-    reached = job.steps_logged()[-1]
-    t0 = time.time()
+    reached, t0 = job.steps_logged()[-1], time.time()
     os.kill(pids[1], signal.SIGKILL)
-    restart = None
-    while job.p.poll() is None and restart is None:
-        restart = job.first("restart 1 of", t0)
-        time.sleep(0.05)
+    restart = job.until("restart 1 of", t0)
     resumed_from, rows = newest_checkpoint(run_dir), len(job.steps_logged())
     trained = None  # fault -> the restarted job's first logged row
     while job.p.poll() is None and trained is None:
@@ -221,13 +225,9 @@ def smaller_restart(tmp: Path) -> dict:
     job = Job(run_dir, ["strategy.name=allreduce", "cluster.nodes=3", "cluster.min_nodes=2",
                         "cluster.max_restarts=1"])
     pids = job.training(3, after_step=30)
-    reached = job.steps_logged()[-1]
-    t0 = time.time()
+    reached, t0 = job.steps_logged()[-1], time.time()
     os.kill(pids[2], signal.SIGKILL)
-    restart = None
-    while job.p.poll() is None and restart is None:
-        restart = job.first("restart 1 of", t0)
-        time.sleep(0.05)
+    restart = job.until("restart 1 of", t0)
     resumed_from = newest_checkpoint(run_dir)
     rc = job.wait()
     summary = json.loads((run_dir / "summary.json").read_text()) if rc == 0 else {}
