@@ -67,8 +67,12 @@ def test_unknown_section_and_missing_recipe(tmp_path):
 def test_relations_checked():
     with pytest.raises(ConfigError, match="data.root is empty"):
         build_config({"data": {"name": "manifest"}})
-    with pytest.raises(ConfigError, match=r"cluster.min_nodes = 1 below cluster.nodes = 3: .* 'allreduce' only"):
-        build_config({"cluster": {"nodes": 3, "num_ps": 1, "min_nodes": 1}, "strategy": {"name": "sync"}})
+    from scaletrain.launch.env import plan_for
+    from scaletrain.plan import PlanError
+
+    with pytest.raises(PlanError, match=r"cluster.min_nodes = 1 below cluster.nodes = 3: .* not defined for "
+                                        r"strategy.name = 'sync'"):
+        plan_for(build_config({"cluster": {"nodes": 3, "num_ps": 1, "min_nodes": 1}, "strategy": {"name": "sync"}}))
     with pytest.raises(ConfigError, match="cluster.min_nodes = 4: above cluster.nodes = 3"):
         build_config({"cluster": {"nodes": 3, "min_nodes": 4}})
     assert build_config({"cluster": {"nodes": 3, "min_nodes": 2}}).cluster.min_nodes == 2

@@ -267,7 +267,7 @@ def check_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> 
     in a key that matters for resuming."""
     diff = config_differences(saved, current)
     if diff:
-        hint = "; a resume at another node count is defined for strategy.name = 'allreduce' only" \
+        hint = f"; a resume at another node count is not defined for strategy.name = {current.get('strategy.name')!r}" \
             if "cluster.nodes" in diff else ""
         raise CheckpointError(f"{path} was written with another config; differing keys: " + ", ".join(
             f"{k} ({saved.get(k)!r} -> {current.get(k)!r})" for k in diff)
@@ -276,14 +276,17 @@ def check_config(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Keys (flat, dotted) whose values differ and that matter for resuming. A key the
-    saved config lacks (written before the key existed) counts as its default. Under
-    allreduce the node count may change (every replica holds the one state, and progress
-    is counted in images)."""
+    saved config lacks (written before the key existed) counts as its default. Where every
+    replica holds the one state (strategies: resizable) the node count may change: progress
+    is counted in images."""
     from .config import Config
 
     saved = {**Config().flat(), **saved}
     keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
-    if saved.get("strategy.name") == current.get("strategy.name") == "allreduce":
+    from .strategies import REGISTRY
+
+    name = current.get("strategy.name")
+    if saved.get("strategy.name") == name and name in REGISTRY and REGISTRY[name].resizable:
         keys.discard("cluster.nodes")
     return sorted(k for k in keys if saved.get(k) != current.get(k))
 

@@ -275,10 +275,6 @@ def _check_relations(cfg: Config) -> None:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if c.min_nodes > c.nodes:
         raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
-    if 0 < c.min_nodes < c.nodes and s.name != "allreduce":
-        raise ConfigError(f"cluster.min_nodes = {c.min_nodes} below cluster.nodes = {c.nodes}: a restart on fewer "
-                          f"nodes is defined for strategy.name = 'allreduce' only (under {s.name!r} the parameter "
-                          "servers' updates and shards are tied to the node count)")
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
         raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
 

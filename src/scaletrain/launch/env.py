@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import LaunchError
-from ..plan import Plan, make_plan, node_name
+from ..plan import PlanError, Plan, make_plan, node_name
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,12 @@ def plan_for(cfg, probe_gpu: bool = False) -> Plan:
         import torch
 
         use_gpu = torch.cuda.is_available()
-    return make_plan(cfg.cluster, entry(cfg).uses_ps, use_gpu)
+    c = cfg.cluster
+    if 0 < c.min_nodes < c.nodes and not entry(cfg).resizable:
+        raise PlanError(f"cluster.min_nodes = {c.min_nodes} below cluster.nodes = {c.nodes}: a restart on fewer "
+                        f"nodes is not defined for strategy.name = {cfg.strategy.name!r} (its parameter servers' "
+                        "updates are tied to the node count); use 'allreduce' or leave min_nodes at 0")
+    return make_plan(c, entry(cfg).uses_ps, use_gpu)
 
 
 def in_torchrun(env=os.environ) -> bool:

@@ -23,10 +23,11 @@ class Entry:
     per_node: bool = True  # one pusher per node (averaged inside) or one per replica
     backups: bool = False  # a version may go without strategy.backup_workers node gradients
     survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
+    resizable: bool = False  # every replica holds the one state: a resume may change the node count
 
 
 REGISTRY: dict[str, Entry] = {
-    "allreduce": Entry(AllReduce, uses_ps=False),
+    "allreduce": Entry(AllReduce, uses_ps=False, resizable=True),
     "sync": Entry(PSClient, uses_ps=True, server="sync"),
     "backup": Entry(PSClient, uses_ps=True, server="sync", backups=True, survives_loss=True),
     "mixed-async": Entry(PSClient, uses_ps=True, server="async", survives_loss=True),
