@@ -5,35 +5,12 @@ tensors), then makes the same subgroups in the same order: one per worker
 node (the replicas that average inside the node; NCCL on GPUs) and one of all
 workers (all-reduce).
 
-Liveness is not a time limit on work. Collectives and receives wait as long
-as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
-a data scan): their timeout is OPERATION_TIMEOUT, days (point-to-point
-operations go through send/recv/wait here for that). A heartbeat thread
-in every process increments the counter `hb/RANK` in the rendezvous store
-and reads everyone's; a peer whose counter has not moved for STALE_S + 
-cluster.timeout_s of the reader's own clock is dead or frozen, and the
-reader exits naming it, so no process waits forever on a lost one. Counters,
-not timestamps: the hosts' clocks are never compared. A process that fails
-says so in the store (`failed/RANK`, `abort`): its peers exit at once, naming
-it, instead of waiting out the timeout.
-
-Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
-`Context.requests` of the process that got it; the heartbeat thread puts a
-stop in the store (`stop`) and copies one found there into its own process,
-so a signal sent to any one process reaches all of them within a heartbeat
-or two. The strategies carry the bits to an agreed step (train.py).
-
-A lost worker node the strategy trains on without (`Context.tolerate`,
-strategies.survivable: asynchronous PS modes, never the chief's node) is
-dropped instead of ending the job. Only the chief declares: once such ranks
-were silent for cluster.timeout_s, its heartbeat thread tells the shards
-(`Context.on_drop`), then lists them in the store (`lost`) and in
-RUN_DIR/logs/dropped (for the launcher, which kills them if still there).
-Every heartbeat thread reads the list into `Context.dropped` and stops
-waiting for those ranks; a process that finds itself there (frozen, then
-woken) exits. No collective joins the workers of such a job after start-up
-(`Context.tolerant`): its points meet at the shards, and its end meets in the
-store (`store_gather`, `finish`), where a dropped rank is not waited for.
+Collectives and receives wait as long as a healthy peer needs: their timeout
+is OPERATION_TIMEOUT, days (point-to-point operations go through send/recv/
+wait here for that). Liveness, stop requests and the loss of a worker node
+the job goes on without are the heartbeat thread's (liveness.py). A job that
+goes on without lost workers meets at its end in the store (`store_gather`,
+`finish`), where a dropped rank is not waited for.
 """
 
 from __future__ import annotations
@@ -44,7 +21,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -55,14 +31,12 @@ import torch.distributed as dist
 
 from .config import Config
 from .errors import EXIT_STOPPED, Stopped
+from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
+                       heartbeat, linger, write_note)
 from .plan import Plan, Proc, make_plan
 
 log = logging.getLogger("scaletrain")
-HEARTBEAT_S = 0.5
-STALE_S = 3.0  # a counter still this long marks its rank as missing
 OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receive: no limit below hours
-CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
-EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
 
 
 class PeerLost(RuntimeError):
@@ -134,10 +108,6 @@ class Context:
         return PeerLost(f"{self.describe(self.rank)}: lost contact with {who}")
 
 
-def _store():
-    return dist.distributed_c10d._get_default_store()
-
-
 def single() -> Context:
     from .config import ClusterConfig
 
@@ -185,7 +155,7 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.
     for g in [None] + [g for g in groups if not dist.distributed_c10d._rank_not_in_group(g)]:
         dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, g)
-    ctx._thread = threading.Thread(target=_heartbeat, args=(ctx,), daemon=True, name="heartbeat")
+    ctx._thread = threading.Thread(target=heartbeat, args=(ctx,), daemon=True, name="heartbeat")
     ctx._thread.start()
     return ctx
 
@@ -239,162 +209,11 @@ def _rendezvous(seat, timeout: datetime.timedelta, loopback: bool):
                          master_listen_fd=sock.detach())
 
 
-class _Liveness:
-    """When each peer's heartbeat counter last moved, on this process's monotonic clock."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx, self.keys = ctx, [f"hb/{r}" for r in range(ctx.plan.world_size)]
-        now = time.monotonic()
-        self.seen = {r: (None, now) for r in range(ctx.plan.world_size) if r != ctx.rank}
-
-    def missing(self, store) -> list[int]:
-        """Peers whose counter stood still for STALE_S and which did not finish cleanly."""
-        now, out = time.monotonic(), []
-        for r in self.seen:
-            value = store.add(self.keys[r], 0)  # reads the counter without waiting for the key
-            last, since = self.seen[r]
-            if value != last:
-                self.seen[r] = (value, now)
-            elif now - since > STALE_S and not store.check([f"done/{r}"]):
-                out.append(r)
-        return out
-
-
-def _heartbeat(ctx: Context) -> None:
-    """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, lost_since, failures = _store(), None, 0
-    live = _Liveness(ctx)
-    while not ctx._stop.wait(HEARTBEAT_S):
-        try:
-            store.add(f"hb/{ctx.rank}", 1)
-            _share_stop(ctx, store)
-            _read_dropped(ctx, store, live)
-            announced = store.add("failed", 0)  # reads the counter
-            if announced > failures:  # a peer announced its failure: no need to wait it out
-                failures = announced
-                failed = _failed(ctx, store)
-                if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
-                    _leave(ctx, store, failed, "failed")
-            gone = [r for r in live.missing(store) if r not in ctx.dropped]
-        except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
-            # Rank 0 may have left because of a peer already seen missing: name that one first.
-            gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
-            if not ctx._finishing.is_set():  # a closed connection is no frozen peer: nothing to wait for
-                _leave(ctx, None, gone, "left (the rendezvous store closed)")
-            store = None
-        ctx.gone = gone
-        if not gone:
-            lost_since = None
-            continue
-        lost_since = lost_since or time.monotonic()
-        silent = time.monotonic() - lost_since
-        if ctx.tolerate(gone) and store is not None:  # the chief declares them; the others wait for it
-            if ctx.is_chief and silent > ctx.timeout_s:
-                _declare(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
-                continue
-            silent -= STALE_S + 4 * HEARTBEAT_S
-        if silent > ctx.timeout_s:
-            # The main thread may be blocked inside a collective that will
-            # not return; this is the only way out within the timeout.
-            _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
-
-
-def _read_dropped(ctx: Context, store, live: _Liveness) -> None:
-    """The ranks the chief declared lost: no longer waited for; this process exits if among them."""
-    if not ctx.is_chief and store.check(["lost"]):
-        ctx.dropped = [int(r) for r in store.get("lost").decode().split(",")]
-    if ctx.rank in ctx.dropped:
-        print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
-              f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER)
-    for r in ctx.dropped:
-        live.seen.pop(r, None)
-
-
-def _declare(ctx: Context, store, gone: list[int], what: str) -> None:
-    """The chief drops the lost ranks, with their nodes' workers: shards first, then the store."""
-    new = sorted(set().union(*(ctx.lost_with(r) for r in gone)) - set(ctx.dropped))
-    if ctx.on_drop:
-        ctx.on_drop(new)  # a survivor that reads the store next finds the shards told
-    ctx.dropped_at.append((new, time.perf_counter()))
-    ctx.dropped = ctx.dropped + new
-    store.set("lost", ",".join(map(str, ctx.dropped)))
-    if ctx.note:
-        try:
-            with open(os.path.join(os.path.dirname(ctx.note), "dropped"), "w") as fh:
-                fh.write(",".join(map(str, ctx.dropped)) + "\n")
-        except OSError:
-            pass
-    nodes = sorted({ctx.plan.procs[r].node + 1 for r in new})
-    print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on without "
-          f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
-
-
-def _share_stop(ctx: Context, store) -> None:
-    if ctx.requests & STOP:
-        if not store.check(["stop"]):
-            store.set("stop", str(ctx.stop_signal or -1))
-    elif store.check(["stop"]):
-        ctx.stop_signal = ctx.stop_signal or int(store.get("stop"))
-        ctx.requests |= STOP | CHECKPOINT
-
-
 def stopped(signum: int, where: str) -> Stopped:
     """The error a process ends with after a stop at an agreed step: it names the signal
     (signum, -1 when unknown) and its exit status says so (130 for Ctrl-C)."""
     name = signal.Signals(signum).name if signum > 0 else "a stop request"
     return Stopped(f"stopped by {name} {where}", 130 if signum == signal.SIGINT else EXIT_STOPPED)
-
-
-def _failed(ctx: Context, store) -> list[int]:
-    """The processes that failed first, as the peers that announced a failure named them."""
-    out = []
-    for r in range(ctx.plan.world_size):
-        if r != ctx.rank and store.check([f"failed/{r}"]):
-            out += [int(x) for x in store.get(f"failed/{r}").decode().split(",") if int(x) not in out]
-    return [r for r in out if r != ctx.rank] or out
-
-
-def _announcers(ctx: Context, store) -> list[int]:
-    return [r for r in range(ctx.plan.world_size) if r != ctx.rank and store.check([f"failed/{r}"])]
-
-
-def _leave(ctx: Context, store, culprits: list[int], what: str) -> None:
-    """Exit this process at once (from the heartbeat thread), naming the peers it left because of."""
-    if not culprits:
-        return
-    write_note(ctx, culprits)
-    if store is not None:
-        _announce(store, ctx.rank, culprits)
-        _linger(ctx)
-    names = ", ".join(ctx.describe(r) for r in culprits)
-    print(f"scaletrain: error: {ctx.describe(ctx.rank)}: {names} {what}; exiting", file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER)
-
-
-def write_note(ctx: Context, culprits: list[int]) -> None:
-    """Tell the launcher which peers this process left because of: it kills a frozen one at once."""
-    if ctx.note:
-        try:
-            with open(ctx.note, "w") as fh:
-                fh.write(",".join(map(str, culprits)) + "\n")
-        except OSError:
-            pass
-
-
-def _linger(ctx: Context) -> None:
-    """Rank 0 serves the store: it stays long enough for every peer to read what it announced."""
-    if ctx.rank == 0:
-        time.sleep(2 * HEARTBEAT_S + 0.5)
-
-
-def _announce(store, rank: int, culprits: list[int]) -> None:
-    try:
-        if not store.check([f"failed/{rank}"]):
-            store.set(f"failed/{rank}", ",".join(map(str, culprits)))
-            store.add("failed", 1)
-    except Exception:  # noqa: BLE001 - the store is gone with rank 0; the heartbeats will tell
-        pass
 
 
 def finish(ctx: Context) -> None:
@@ -412,7 +231,7 @@ def finish(ctx: Context) -> None:
     ctx._stop.set()
     ctx._thread.join()  # the store client is not shared across threads
     try:
-        _store().set(f"done/{ctx.rank}", "1")
+        default_store().set(f"done/{ctx.rank}", "1")
     except Exception:  # noqa: BLE001 - rank 0, which serves the store, may be gone: all are past the barrier
         pass
     dist.destroy_process_group()
@@ -432,7 +251,7 @@ def store_gather(ctx: Context, key: str, data: bytes) -> dict[int, bytes]:
 def _main_store(ctx: Context):
     """The main thread's own client of the store (the heartbeat thread has the default one)."""
     if ctx._main is None:
-        ctx._main = _store().clone()
+        ctx._main = default_store().clone()
     return ctx._main
 
 
@@ -454,8 +273,8 @@ def abort(ctx: Context, culprits: list[int] | None = None) -> None:
     ctx._stop.set()
     if ctx._thread is not None:
         ctx._thread.join()  # the store client is the heartbeat's until it ends
-        _announce(_store(), ctx.rank, culprits or [ctx.rank])
-        _linger(ctx)
+        announce(default_store(), ctx.rank, culprits or [ctx.rank])
+        linger(ctx)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -1,0 +1,202 @@
+"""Liveness and requests: the heartbeat thread every process of a distributed job runs.
+
+Liveness is not a time limit on work. Collectives and receives wait as long
+as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
+a data scan; dist.OPERATION_TIMEOUT). The heartbeat thread of every process
+increments the counter `hb/RANK` in the rendezvous store and reads
+everyone's; a peer whose counter has not moved for STALE_S +
+cluster.timeout_s of the reader's own clock is dead or frozen, and the
+reader exits naming it, so no process waits forever on a lost one. Counters,
+not timestamps: the hosts' clocks are never compared. A process that fails
+says so in the store (`failed/RANK`, dist.abort): its peers exit at once,
+naming it, instead of waiting out the timeout.
+
+Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
+`Context.requests` of the process that got it; the heartbeat thread puts a
+stop in the store (`stop`) and copies one found there into its own process,
+so a signal sent to any one process reaches all of them within a heartbeat
+or two. The strategies carry the bits to an agreed step (train.py).
+
+A lost worker node the strategy trains on without (`Context.tolerate`,
+strategies.survivable: asynchronous PS modes, never the chief's node) is
+dropped instead of ending the job. Only the chief declares: once such ranks
+were silent for cluster.timeout_s, its heartbeat thread tells the shards
+(`Context.on_drop`), then lists them in the store (`lost`) and in
+RUN_DIR/logs/dropped (for the launcher, which kills them if still there).
+Every heartbeat thread reads the list into `Context.dropped` and stops
+waiting for those ranks; a process that finds itself there (frozen, then
+woken) exits. No collective joins the workers of such a job after start-up
+(`Context.tolerant`): its points meet at the shards, and its end meets in the
+store (dist.store_gather, dist.finish), where a dropped rank is not waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+HEARTBEAT_S = 0.5
+STALE_S = 3.0  # a counter still this long marks its rank as missing
+CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
+EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
+
+
+def default_store():
+    """The job's rendezvous store (this thread's client: clients are not shared across threads)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+class _Liveness:
+    """When each peer's heartbeat counter last moved, on this process's monotonic clock."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx, self.keys = ctx, [f"hb/{r}" for r in range(ctx.plan.world_size)]
+        now = time.monotonic()
+        self.seen = {r: (None, now) for r in range(ctx.plan.world_size) if r != ctx.rank}
+
+    def missing(self, store) -> list[int]:
+        """Peers whose counter stood still for STALE_S and which did not finish cleanly."""
+        now, out = time.monotonic(), []
+        for r in self.seen:
+            value = store.add(self.keys[r], 0)  # reads the counter without waiting for the key
+            last, since = self.seen[r]
+            if value != last:
+                self.seen[r] = (value, now)
+            elif now - since > STALE_S and not store.check([f"done/{r}"]):
+                out.append(r)
+        return out
+
+
+def heartbeat(ctx) -> None:
+    """The only user of the store after start-up (store clients are not shared across threads)."""
+    store, lost_since, failures = default_store(), None, 0
+    live = _Liveness(ctx)
+    while not ctx._stop.wait(HEARTBEAT_S):
+        try:
+            store.add(f"hb/{ctx.rank}", 1)
+            _share_stop(ctx, store)
+            _read_dropped(ctx, store, live)
+            announced = store.add("failed", 0)  # reads the counter
+            if announced > failures:  # a peer announced its failure: no need to wait it out
+                failures = announced
+                failed = _failed(ctx, store)
+                if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
+                    _leave(ctx, store, failed, "failed")
+            gone = [r for r in live.missing(store) if r not in ctx.dropped]
+        except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
+            # Rank 0 may have left because of a peer already seen missing: name that one first.
+            gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
+            if not ctx._finishing.is_set():  # a closed connection is no frozen peer: nothing to wait for
+                _leave(ctx, None, gone, "left (the rendezvous store closed)")
+            store = None
+        ctx.gone = gone
+        if not gone:
+            lost_since = None
+            continue
+        lost_since = lost_since or time.monotonic()
+        silent = time.monotonic() - lost_since
+        if ctx.tolerate(gone) and store is not None:  # the chief declares them; the others wait for it
+            if ctx.is_chief and silent > ctx.timeout_s:
+                _declare(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+                continue
+            silent -= STALE_S + 4 * HEARTBEAT_S
+        if silent > ctx.timeout_s:
+            # The main thread may be blocked inside a collective that will
+            # not return; this is the only way out within the timeout.
+            _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+
+
+def _read_dropped(ctx, store, live: _Liveness) -> None:
+    """The ranks the chief declared lost: no longer waited for; this process exits if among them."""
+    if not ctx.is_chief and store.check(["lost"]):
+        ctx.dropped = [int(r) for r in store.get("lost").decode().split(",")]
+    if ctx.rank in ctx.dropped:
+        print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
+              f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER)
+    for r in ctx.dropped:
+        live.seen.pop(r, None)
+
+
+def _declare(ctx, store, gone: list[int], what: str) -> None:
+    """The chief drops the lost ranks, with their nodes' workers: shards first, then the store."""
+    new = sorted(set().union(*(ctx.lost_with(r) for r in gone)) - set(ctx.dropped))
+    if ctx.on_drop:
+        ctx.on_drop(new)  # a survivor that reads the store next finds the shards told
+    ctx.dropped_at.append((new, time.perf_counter()))
+    ctx.dropped = ctx.dropped + new
+    store.set("lost", ",".join(map(str, ctx.dropped)))
+    if ctx.note:
+        try:
+            with open(os.path.join(os.path.dirname(ctx.note), "dropped"), "w") as fh:
+                fh.write(",".join(map(str, ctx.dropped)) + "\n")
+        except OSError:
+            pass
+    nodes = sorted({ctx.plan.procs[r].node + 1 for r in new})
+    print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on without "
+          f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
+
+
+def _share_stop(ctx, store) -> None:
+    if ctx.requests & STOP:
+        if not store.check(["stop"]):
+            store.set("stop", str(ctx.stop_signal or -1))
+    elif store.check(["stop"]):
+        ctx.stop_signal = ctx.stop_signal or int(store.get("stop"))
+        ctx.requests |= STOP | CHECKPOINT
+
+
+
+
+def _failed(ctx, store) -> list[int]:
+    """The processes that failed first, as the peers that announced a failure named them."""
+    out = []
+    for r in range(ctx.plan.world_size):
+        if r != ctx.rank and store.check([f"failed/{r}"]):
+            out += [int(x) for x in store.get(f"failed/{r}").decode().split(",") if int(x) not in out]
+    return [r for r in out if r != ctx.rank] or out
+
+
+def _announcers(ctx, store) -> list[int]:
+    return [r for r in range(ctx.plan.world_size) if r != ctx.rank and store.check([f"failed/{r}"])]
+
+
+def _leave(ctx, store, culprits: list[int], what: str) -> None:
+    """Exit this process at once (from the heartbeat thread), naming the peers it left because of."""
+    if not culprits:
+        return
+    write_note(ctx, culprits)
+    if store is not None:
+        announce(store, ctx.rank, culprits)
+        linger(ctx)
+    names = ", ".join(ctx.describe(r) for r in culprits)
+    print(f"scaletrain: error: {ctx.describe(ctx.rank)}: {names} {what}; exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER)
+
+
+def write_note(ctx, culprits: list[int]) -> None:
+    """Tell the launcher which peers this process left because of: it kills a frozen one at once."""
+    if ctx.note:
+        try:
+            with open(ctx.note, "w") as fh:
+                fh.write(",".join(map(str, culprits)) + "\n")
+        except OSError:
+            pass
+
+
+def linger(ctx) -> None:
+    """Rank 0 serves the store: it stays long enough for every peer to read what it announced."""
+    if ctx.rank == 0:
+        time.sleep(2 * HEARTBEAT_S + 0.5)
+
+
+def announce(store, rank: int, culprits: list[int]) -> None:
+    try:
+        if not store.check([f"failed/{rank}"]):
+            store.set(f"failed/{rank}", ",".join(map(str, culprits)))
+            store.add("failed", 1)
+    except Exception:  # noqa: BLE001 - the store is gone with rank 0; the heartbeats will tell
+        pass
