@@ -166,14 +166,15 @@ def test_heartbeats_compare_no_clocks(monkeypatch):
     import torch.distributed as dist
 
     from scaletrain import dist as sdist
+    from scaletrain import liveness
     from scaletrain.config import ClusterConfig
     from scaletrain.plan import make_plan
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=5), wait_for_workers=False)
     plan = make_plan(ClusterConfig(nodes=3), ps_required=False)
     now = [1000.0]
-    monkeypatch.setattr(sdist.time, "monotonic", lambda: now[0])
-    live = sdist._Liveness(sdist.Context(plan, plan.procs[0]))
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: now[0])
+    live = liveness._Liveness(sdist.Context(plan, plan.procs[0]))
     store.add("hb/1", 1)
     store.add("hb/2", 1)
     assert live.missing(store) == []
