@@ -129,12 +129,7 @@ def _declare(ctx, store, gone: list[int], what: str) -> None:
     ctx.dropped_at.append((new, time.perf_counter()))
     ctx.dropped = ctx.dropped + new
     store.set("lost", ",".join(map(str, ctx.dropped)))
-    if ctx.note:
-        try:
-            with open(os.path.join(os.path.dirname(ctx.note), "dropped"), "w") as fh:
-                fh.write(",".join(map(str, ctx.dropped)) + "\n")
-        except OSError:
-            pass
+    write_note(ctx, ctx.dropped, "dropped")  # for the launcher, which kills those still running
     nodes = sorted({ctx.plan.procs[r].node + 1 for r in new})
     print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on without "
           f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
@@ -177,12 +172,13 @@ def _leave(ctx, store, culprits: list[int], what: str) -> None:
     os._exit(EXIT_PEER)
 
 
-def write_note(ctx, culprits: list[int]) -> None:
-    """Tell the launcher which peers this process left because of: it kills a frozen one at once."""
+def write_note(ctx, ranks: list[int], name: str = "") -> None:
+    """Tell the launcher ranks in a file beside this process's log: the peers it left because
+    of (its own note; a frozen one is killed at once), or `name` (the chief: `dropped`)."""
     if ctx.note:
         try:
-            with open(ctx.note, "w") as fh:
-                fh.write(",".join(map(str, culprits)) + "\n")
+            with open(os.path.join(os.path.dirname(ctx.note), name) if name else ctx.note, "w") as fh:
+                fh.write(",".join(map(str, ranks)) + "\n")
         except OSError:
             pass
 

@@ -6,7 +6,7 @@ accuracy or loss is. At agreed points every worker holds the same values and
 meets the others (`Run.point`): they evaluate their slices of the test set
 together, decide together whether to stop, and the chief checkpoints.
 
-A job that goes on without lost workers (asynchronous PS modes, see dist.py)
+A job that goes on without lost workers (asynchronous PS modes, see liveness.py)
 has no collective among its workers: at its points the shards hold the
 others while the chief alone evaluates (the whole test set, its replica) and
 checkpoints; the requests come agreed in the shards' replies, and a stop the
@@ -192,13 +192,10 @@ class Run:
         self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
                             every=cfg.train.log_every)
         workers = len(ctx.plan.workers)
-        self.tolerant = ctx.tolerant  # no collective among the workers (see the module doc)
-        if ctx.tolerant:
-            self.evaluation = test_loader(test_set, cfg, device.type == "cuda", 0, 1) \
-                if len(test_set) and self.chief else None
-        else:
-            self.evaluation = test_loader(test_set, cfg, device.type == "cuda", ctx.me.index, workers) \
-                if len(test_set) else None
+        # Each worker evaluates its slice, or the chief all of it where no collective joins the workers.
+        index, slices = (0, 1) if ctx.tolerant else (ctx.me.index, workers)
+        self.evaluation = test_loader(test_set, cfg, device.type == "cuda", index, slices) \
+            if len(test_set) and (self.chief or not ctx.tolerant) else None
         self.group = None if ctx.tolerant else ctx.workers_group  # None when this is the only worker
         self.lost: list[dict] = []  # worker nodes the job went on without (chief)
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [since row, since eval] x [sum, n]
@@ -271,7 +268,7 @@ class Run:
         s, t = self.sched, self.cfg.train
         at_eval = tick.stop or s.crossed(t.eval_every, self.last_point, tick.images)
         job_loss, asked = self._reduce(reset=at_eval)  # collective: returns once every worker has arrived
-        if self.tolerant:  # the shards agreed on the requests of this point
+        if self.ctx.tolerant:  # the shards agreed on the requests of this point
             asked = tick.asked
         self.ctx.requests &= ~(asked & CHECKPOINT)
         stop = tick.stop
@@ -288,7 +285,7 @@ class Run:
             res = self._evaluate(tick, at)
             self.clock.resume()
             reached = (t.target_accuracy and res.get("test_accuracy", 0.0) >= t.target_accuracy) or \
-                (t.target_loss and job_loss <= t.target_loss and (self.chief or not self.tolerant))
+                (t.target_loss and job_loss <= t.target_loss and (self.chief or not self.ctx.tolerant))
             if reached and not self.target:
                 self.target = {"time_to_target": at, "images_to_target": tick.images,
                                "steps_to_target": s.step_of(tick.images)}
@@ -370,7 +367,7 @@ class Run:
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=self.compute_s,
                     intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images)
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
-        if self.chief and len(self.ctx.dropped_at) > len(self.lost):  # declared after the last step
+        if self.chief:  # declared after the last step
             self._note_lost(tick)
         if self.writer:
             self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it

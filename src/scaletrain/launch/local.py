@@ -12,7 +12,7 @@ few seconds after the first such exit are taken for frozen). The
 launcher names the first process that failed or went silent, not one that
 left because of it. A worker node the job may go on without
 (strategies.survivable) may end any way: the launcher waits for the chief's
-word (RUN_DIR/logs/dropped, see dist.py), kills what of it still runs, and
+word (RUN_DIR/logs/dropped, see liveness.py), kills what of it still runs, and
 the job's status is that of the others.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
@@ -144,7 +144,7 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
     with _Forward(procs, stop_signals) as fwd:
         while any(p.poll() is None for p in procs):
             now = time.time()
-            dropped = _note(run_dir, "dropped")
+            dropped = read_ranks(run_dir, "dropped")
             _stop([procs[r] for r in dropped], signal.SIGKILL)  # frozen, or woken too late: the job went on
             for rank, p in enumerate(procs):
                 rc = p.poll()
@@ -156,7 +156,7 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
                           f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
                 elif rc == EXIT_PEER:
                     left = left or (rank, now)
-                    named = [r for r in _note(run_dir, f"rank{rank}.lost") if procs[r].poll() is None]
+                    named = [r for r in read_ranks(run_dir, f"rank{rank}.lost") if procs[r].poll() is None]
                     if named and failed is None and not frozen:  # it left because of a peer that is frozen
                         frozen = named
                         _stop(procs, signal.SIGKILL)
@@ -191,7 +191,7 @@ def write_failure(run_dir: Path, plan: Plan, rank: int, what: str, host: str | N
         {"rank": rank, "role": p.role, "node": p.node, "host": host, "what": what}) + "\n")
 
 
-def _note(run_dir: Path, name: str) -> list[int]:
+def read_ranks(run_dir: Path, name: str) -> list[int]:
     """Ranks listed in RUN_DIR/logs/NAME: those a process that exited with EXIT_PEER left
     because of (rankR.lost, dist.write_note), or those the job went on without (dropped)."""
     try:

@@ -61,7 +61,7 @@ from ..config import Config, dump_toml
 from ..errors import EXIT_STOPPED
 from ..plan import format_table
 from .env import LaunchError, plan_for, slurm_hosts, slurm_port
-from .local import write_failure
+from .local import read_ranks, write_failure
 
 WARNING = signal.SIGUSR1  # what --signal=B:USR1 sends before the time limit
 ENDED = {"COMPLETED": "completed", "CANCELLED": "cancelled", "TIMEOUT": "timed out", "PREEMPTED": "preempted",
@@ -224,7 +224,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
           f"rendezvous {hosts[0]}:{port}", flush=True)
     name = f"scaletrain-{job}-{os.getpid()}"  # how the signal forwarder finds this step
     # After a task ends, srun waits that long for the others: the heartbeats' bound, or for ever in a
-    # job that goes on without a lost worker node (its processes end on their own; dist.py).
+    # job that goes on without a lost worker node (its processes end on their own; liveness.py).
     tolerant = strategies.tolerant(cfg)
     cmd = ["srun", f"--job-name={name}", f"--ntasks={plan.world_size}", f"--nodes={plan.nodes_total}",
            f"--cpus-per-task={cpus_per_task(cfg)}", "--distribution=arbitrary", "--kill-on-bad-exit=0",
@@ -272,9 +272,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
 def _name_culprit(run_dir: Path, plan) -> None:
     """logs/failure.json for run.py: the process most of the others left because of (their
     rankR.lost notes, dist.write_note), with the host it ran on."""
-    named: list[int] = []
-    for note in (run_dir / "logs").glob("rank*.lost"):
-        named += [int(r) for r in note.read_text().split(",") if r.strip().isdigit()]
+    named = [r for note in (run_dir / "logs").glob("rank*.lost") for r in read_ranks(run_dir, note.name)]
     if not named:
         return
     rank = max(sorted(set(named)), key=named.count)

@@ -17,7 +17,7 @@ gradient: a pusher sends it to the shards that answered its push before they
 reached the point another shard already announced (see ps/server.py).
 
 LOST [rank, LOST, 0] tells a shard that a pusher was lost and the job goes
-on without it (the chief sends it when it declares the loss, see dist.py):
+on without it (the chief sends it when it declares the loss, see liveness.py):
 the shard stops waiting for it.
 
 SNAPSHOT asks a shard for its state (the chief, at a checkpoint); the reply

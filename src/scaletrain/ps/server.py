@@ -25,7 +25,7 @@ every push, so all shards reach the point at the same count. Once the target
 is reached, every push is answered DONE and applies nothing: the job stops at
 the same images whatever the strategy, and stragglers stop at their next push.
 
-A lost pusher (LOST, from the chief; see dist.py) leaves `active`: no update
+A lost pusher (LOST, from the chief; see liveness.py) leaves `active`: no update
 or hold waits for it any more. An exchange with a pusher that failed because
 it died is skipped; the heartbeats decide whether the job goes on without it.
 

@@ -7,7 +7,7 @@ and the job's progress, and shares both inside the node. What the shard does wit
 (wait for all nodes, for the first N-b, or apply at once) is the server's
 mode; this side is the same for all four.
 
-When the chief declares a worker node lost (dist.py), its heartbeat thread
+When the chief declares a worker node lost (liveness.py), its heartbeat thread
 tells every shard (LOST, `_announce`): the message that wakes a shard waiting
 for nobody but the lost. It is a second thread sending to the shards beside
 the main one; gloo's pairs take sends from several threads, and the shard
