@@ -19,7 +19,7 @@ def test_full_recipe_is_the_study_setup():
     assert (c.model.name, c.model.num_classes, c.data.image_size, c.data.batch_size) == ("resnet50", 1200, 224, 32)
     assert (c.optim.name, c.optim.lr, c.optim.decay, c.optim.eps, c.optim.weight_decay) == (
         "rmsprop-tf", 0.1, 0.9, 1.0, 1e-4)
-    assert c.data.augment == "crop+flip" and c.data.name == "manifest"
+    assert c.data.augment == ["resized-crop", "flip"] and c.data.name == "manifest"
 
 
 def test_required_keys_exist_and_are_documented():
@@ -34,7 +34,7 @@ def test_required_keys_exist_and_are_documented():
 def test_overrides_are_typed():
     c = load_config(RECIPES / "digits.toml", ["train.steps=7", "data.augment=crop+flip", "optim.lr=1",
                                                "train.deterministic=true"])
-    assert c.train.steps == 7 and c.data.augment == "crop+flip"
+    assert c.train.steps == 7 and c.data.augment == ["crop", "flip"]
     assert c.optim.lr == 1.0 and isinstance(c.optim.lr, float) and c.train.deterministic is True
 
 

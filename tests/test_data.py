@@ -8,6 +8,7 @@ from PIL import Image
 
 from scaletrain.config import build_config
 from scaletrain.data import DataError, ShardedBatches, build_datasets, train_loader
+from scaletrain.data.loader import Samples
 from scaletrain.train import train
 
 from conftest import scaletrain_cmd
@@ -38,8 +39,8 @@ def test_imagefolder_loads_sorted_classes(tmp_path):
     tr, te, classes = build_datasets(cfg_for("imagefolder", tmp_path))
     assert classes == ["crying_baby", "happy_baby", "sad_dog"]
     assert len(tr) + len(te) == 12 and len(te) == 3
-    x, y = tr[0]
-    assert x.shape == (3, 16, 16) and x.dtype == torch.float32 and 0 <= y < 3
+    x, y, _ = Samples(tr, 16)[0]
+    assert x.shape == (16, 16, 3) and x.dtype == torch.uint8 and 0 <= y < 3
 
 
 def test_manifest_with_names_and_indices(tmp_path):

@@ -127,7 +127,8 @@ def test_evaluation_over_four_replicas_equals_one(tmp_path):
     model = build_model(cfg.model)
     model.load_state_dict(load_file(str(tmp_path / "four" / "model.safetensors")))
     test_set = data.build_datasets(cfg)[1]
-    one = evaluate(model, data.test_loader(test_set, cfg), torch.device("cpu"), lambda b: (b.x, b.y), None, 1)
+    prepare = data.Prepare([], test_set.stats, torch.device("cpu"))
+    one = evaluate(model, data.test_loader(test_set, cfg), torch.device("cpu"), prepare, None, 1)
     assert s["test_accuracy"] == one["test_accuracy"]
     assert s["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
     # and the slices were really split: a quarter of the set each, together all of it

@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="write report.html and report.md from bench/study/run directories")
     rp.add_argument("dirs", nargs="+", type=Path)
     rp.add_argument("--out", type=Path, help="output directory (default: report/ in the first DIR)")
+    pk = sub.add_parser("pack", help="pack a recipe's image folder or manifest into tar shards (data.name = shards)")
+    _recipe_args(pk)
+    pk.add_argument("--out", required=True, type=Path, help="directory for the shards (new or empty)")
+    pk.add_argument("--shard-size", default="1GB", help="bytes per shard, e.g. 1GB, 512MB, 256MiB (default 1GB)")
+    pk.add_argument("--workers", type=int, default=0, help="processes that read and check images (default: all cores)")
+    pk.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
     from .perfmodel.commands import add_parsers
 
@@ -109,13 +115,15 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = None
     try:
+        if args.command == "pack":
+            return _pack(args, cfg)
         run_dir = run_dir_for(args.recipe, args.run_dir, cfg)
         if args.command == "plan":
             return _plan(args, cfg, run_dir)
         if args.command == "slurm":
             return _slurm(args, cfg, run_dir)
         summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
-    except (PlanError, LaunchError) as e:
+    except (PlanError, LaunchError, ConfigError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     except USER_ERRORS as e:
@@ -152,6 +160,23 @@ def _plan(args, cfg, run_dir: Path) -> int:
     else:
         train_args = ["--recipe", str(Path(args.recipe).resolve()), *(a for o in args.overrides for a in ("--set", o))]
         print(slurm.script(cfg, run_dir, train_args), end="")
+    return 0
+
+
+def _pack(args, cfg) -> int:
+    from .data.shards import pack, parse_size
+
+    try:
+        size = parse_size(args.shard_size)
+    except ValueError as e:
+        raise ConfigError(f"--shard-size {e}") from None
+    index = pack(cfg, args.out, size, args.workers, progress=not args.quiet)
+    tr, te = index["splits"]["train"], index["splits"]["test"]
+    shards = tr["shards"] + te["shards"]
+    print(f"packed {tr['samples']:,} training and {te['samples']:,} test images of {len(index['classes'])} classes "
+          f"into {len(shards)} shards ({sum(s['bytes'] for s in shards) / 1e6:,.1f} MB) in {args.out}"
+          + (f"; skipped {len(index['skipped'])} unreadable (listed in index.json)" if index["skipped"] else ""))
+    print(f"train from them with: --set data.name=shards --set data.root={args.out}")
     return 0
 
 

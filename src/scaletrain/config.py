@@ -2,7 +2,7 @@
 
 A recipe is a TOML file with one table per section ([model], [data], ...).
 `--set section.key=value` overrides a key; the value is read as TOML (so
-`train.steps=200`, `data.augment="crop"` and bare `data.augment=crop` all work).
+`train.steps=200`, `data.augment=["crop", "flip"]` and bare `data.augment=crop+flip` all work).
 Every field carries a one-line doc with its unit and range in its metadata;
 `load_config` checks names, types, ranges and choices before any work starts,
 raising ConfigError with one line that names the key, the value and what is
@@ -20,9 +20,30 @@ from typing import Any, get_type_hints
 from .errors import ConfigError
 
 
-def opt(default, doc: str, *, choices=None, lo=None, hi=None):
-    """A config field: default, one-line doc (unit, range), optional checks."""
-    meta = {"doc": doc, "choices": choices, "lo": lo, "hi": hi}
+# data.augment's names, in the order they are applied (data/augment.py says what each does).
+AUGMENTATIONS = ("resized-crop", "crop", "flip", "rotation", "lens", "vignetting", "color")
+
+
+def parse_augment(value) -> list[str]:
+    """data.augment as given (a list, false, or a string such as "crop+flip" or "none") -> the
+    names, in the order of AUGMENTATIONS; ValueError naming what is not known."""
+    if value is False or value is None:
+        return []
+    if isinstance(value, str):
+        value = [] if value.strip() in ("", "none") else value.replace("+", ",").split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of names from {', '.join(AUGMENTATIONS)}, or false")
+    names = [v.strip() for v in value]
+    unknown = [n for n in names if n not in AUGMENTATIONS]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not an augmentation; choose from {', '.join(AUGMENTATIONS)}")
+    return [n for n in AUGMENTATIONS if n in names]
+
+
+def opt(default, doc: str, *, choices=None, lo=None, hi=None, parse=None):
+    """A config field: default, one-line doc (unit, range), optional checks; `parse` turns what a
+    recipe may write into the stored value, raising ValueError with what is allowed."""
+    meta = {"doc": doc, "choices": choices, "lo": lo, "hi": hi, "parse": parse}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -41,16 +62,19 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = opt("digits", "dataset: digits | synthetic | imagefolder | manifest",
-                    choices=("digits", "synthetic", "imagefolder", "manifest"))
-    root: str = opt("", "imagefolder: directory root/CLASS/*.jpg|png; manifest: CSV file of path,label")
+    name: str = opt("digits", "dataset: digits | synthetic | imagefolder | manifest | shards",
+                    choices=("digits", "synthetic", "imagefolder", "manifest", "shards"))
+    root: str = opt("", "imagefolder: directory root/CLASS/*.jpg|png; manifest: CSV file of path,label; "
+                    "shards: directory written by scaletrain pack")
     test_root: str = opt("", "optional held-out set in the same form as root ('' = split off test_fraction)")
     test_fraction: float = opt(0.1, "fraction of root held out for testing when test_root is empty (0..0.9)",
                                lo=0.0, hi=0.9)
     image_size: int = opt(32, "side of the square network input, pixels (8..1024)", lo=8, hi=1024)
     batch_size: int = opt(32, "images per replica per step (1..4096)", lo=1, hi=4096)
-    augment: str = opt("none", "training augmentation: none | crop | flip | crop+flip",
-                       choices=("none", "crop", "flip", "crop+flip"))
+    augment: list = opt([], "training augmentations, a list of resized-crop | crop | flip | rotation | lens | "
+                        "vignetting | color (false or [] = none)", parse=parse_augment)
+    shuffle_buffer: int = opt(4096, "shards: each replica reads its stretch of an epoch in order and shuffles "
+                              "within a window of this many samples (1..10^7)", lo=1, hi=10**7)
     on_bad_image: str = opt("error", "unreadable image: error (stop, naming the file) | skip (count, report)",
                             choices=("error", "skip"))
     workers: int = opt(2, "background loader processes per replica (0 = load in the training process)",
@@ -171,6 +195,8 @@ class Config:
         return build_config(self.to_dict(), [f"{k}={_toml_value(v)}" for k, v in overrides.items()])
 
 
+ROOTS = {"imagefolder": "directory root/CLASS/*.jpg", "manifest": "CSV manifest",
+         "shards": "directory written by scaletrain pack"}
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGQUIT", "SIGXCPU")
 SECTIONS = {f.name: f.type for f in fields(Config)}
 
@@ -205,6 +231,11 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 
 def check_value(key: str, value: Any, f: dataclasses.Field, typ: type) -> Any:
     allowed = f.metadata["doc"]
+    if f.metadata["parse"] is not None:
+        try:
+            value = f.metadata["parse"](value)
+        except ValueError as e:
+            raise ConfigError(f"{key} = {value!r}: {e}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if typ is bool and not isinstance(value, bool) or typ is not bool and (
@@ -251,9 +282,8 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
 
 
 def _check_relations(cfg: Config) -> None:
-    if cfg.data.name in ("imagefolder", "manifest") and not cfg.data.root:
-        raise ConfigError(f"data.root is empty: data.name = {cfg.data.name!r} needs a "
-                          + ("directory root/CLASS/*.jpg" if cfg.data.name == "imagefolder" else "CSV manifest"))
+    if cfg.data.name in ROOTS and not cfg.data.root:
+        raise ConfigError(f"data.root is empty: data.name = {cfg.data.name!r} needs a {ROOTS[cfg.data.name]}")
     if cfg.train.steps == 0 and cfg.train.epochs <= 0:
         raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
     s, c = cfg.strategy, cfg.cluster

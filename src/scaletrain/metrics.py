@@ -141,28 +141,31 @@ class Recorder:
 class Progress:
     """A rich progress bar on a terminal; plain log lines elsewhere (CI, Slurm)."""
 
-    def __init__(self, total: int, start: int, enabled: bool = True, every: int = 10) -> None:
+    def __init__(self, total: int, start: int, enabled: bool = True, every: int = 10, label: str = "train",
+                 unit: str = "step") -> None:
         self.total, self.every, self.bar = total, every, None
         self.tty = enabled and sys.stdout.isatty()
         if self.tty:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
                                        TimeRemainingColumn)
 
-            self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+            self.bar = Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(),
                            TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.task = self.bar.add_task(label, total=total, completed=start, info="")
             self.bar.start()
-        self.enabled = enabled
+        self.enabled, self.unit = enabled, unit
         self.t0, self.s0 = time.perf_counter(), start
 
     def update(self, step: int, loss: float, ips: float) -> None:
-        info = f"loss {loss:.4f}  {ips:,.1f} img/s"
+        self.show(step, f"loss {loss:.4f}  {ips:,.1f} img/s")
+
+    def show(self, step: int, info: str) -> None:
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
         elif self.enabled and (step % self.every == 0 or step == self.total):
             done = step - self.s0
             eta = (time.perf_counter() - self.t0) / done * (self.total - step) if done else 0.0
-            print(f"step {step}/{self.total}  {info}  eta {eta:.0f}s", flush=True)
+            print(f"{self.unit} {step}/{self.total}  {info}  eta {eta:.0f}s", flush=True)
 
     def message(self, text: str) -> None:
         if self.bar is not None:

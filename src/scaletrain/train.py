@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import checkpoint, schedule, stats
 from .config import Config, dump_toml
-from .data import Batch, DataError, build_datasets, test_loader, train_loader
+from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
 from .errors import RunError
 from .metrics import JobClock, Progress, Recorder, sync
@@ -126,7 +126,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
         strategy.restore(resumed.state)
         load_replica_buffers(model, resumed.state.get("replica_buffers"), ctx.me.index)
         resumed.state = None  # the model, optimizer and strategy hold it now
-    run = Run(cfg, ctx, run_dir, model, strategy, sched, device, len(train_set), test_set, resumed, progress)
+    prepare = Prepare(cfg.data.augment, train_set.stats, device, channels_last)
+    run = Run(cfg, ctx, run_dir, model, strategy, sched, prepare, len(train_set), test_set, resumed, progress)
     tick = Tick(run.images0, False, run.images0 >= sched.target)
     loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
                              rank=ctx.me.index, pin=device.type == "cuda")
@@ -146,8 +147,6 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
                     raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
                                     "a distributed step needs at least one; see the warnings above")
                 continue
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
             lr = lr_at(cfg.optim, sched.step_of(tick.images), sched.steps, update_images)
             t1 = time.perf_counter()
             with autocast:
@@ -178,10 +177,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
 class Run:
     """What the loop reports to: the job clock, metrics rows, and the work at agreed points."""
 
-    def __init__(self, cfg, ctx, run_dir, model, strategy, sched, device, train_images, test_set, resumed,
+    def __init__(self, cfg, ctx, run_dir, model, strategy, sched, prepare, train_images, test_set, resumed,
                  progress) -> None:
         self.cfg, self.ctx, self.run_dir, self.model, self.strategy = cfg, ctx, run_dir, model, strategy
-        self.sched, self.device, self.chief = sched, device, ctx.is_chief
+        self.sched, self.prepare, self.device, self.chief = sched, prepare, prepare.device, ctx.is_chief
         self.per_epoch = train_images // sched.step_images
         self.resumed_from = str(resumed.path) if resumed else None
         self.best, self.bad = (resumed.best, resumed.bad) if resumed else (None, set())
@@ -194,11 +193,11 @@ class Run:
         workers = len(ctx.plan.workers)
         # Each worker evaluates its slice, or the chief all of it where no collective joins the workers.
         index, slices = (0, 1) if ctx.tolerant else (ctx.me.index, workers)
-        self.evaluation = test_loader(test_set, cfg, device.type == "cuda", index, slices) \
+        self.evaluation = test_loader(test_set, cfg, self.device.type == "cuda", index, slices) \
             if len(test_set) and (self.chief or not ctx.tolerant) else None
         self.group = None if ctx.tolerant else ctx.workers_group  # None when this is the only worker
         self.lost: list[dict] = []  # worker nodes the job went on without (chief)
-        self.losses = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [since row, since eval] x [sum, n]
+        self.losses = torch.zeros(2, 2, dtype=torch.float64, device=self.device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
         self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
@@ -206,7 +205,8 @@ class Run:
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
 
     def usable(self, batch: Batch):
-        """The batch on the device, without images that could not be read (on_bad_image)."""
+        """The batch on the device as the network's input, without images that could not be read
+        (on_bad_image)."""
         if batch.bad:
             if self.cfg.data.on_bad_image == "error":
                 b = batch.bad[0]
@@ -218,7 +218,7 @@ class Run:
                 self.bad.add(b.path)
         if len(batch.y) == 0:
             return None, None
-        return batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True)
+        return self.prepare(batch)
 
     def after_step(self, before: Tick, tick: Tick, loss: torch.Tensor, n: int, lr: float) -> None:
         self.computed += n

@@ -1,6 +1,7 @@
-"""Datasets, sharding and loading."""
+"""Datasets, packing into shards, decoding, augmentation, sharding and loading."""
 
-from .loader import Batch, ShardedBatches, test_loader, train_loader
+from .loader import Batch, Prepare, ShardedBatches, test_loader, train_loader
 from .sources import BadImage, DataError, build_datasets
 
-__all__ = ["Batch", "BadImage", "DataError", "ShardedBatches", "build_datasets", "test_loader", "train_loader"]
+__all__ = ["Batch", "BadImage", "DataError", "Prepare", "ShardedBatches", "build_datasets", "test_loader",
+           "train_loader"]

@@ -1,14 +1,17 @@
-"""Per-replica sharding, augmentation and background loading.
+"""Per-replica sharding, per-sample decoding and augmentation, background loading, and
+the device's part of the input: batched augmentations and normalisation.
 
 Sharding: at global step t of epoch e, the W replicas of batch b together
 take positions [t*W*b, (t+1)*W*b) of the epoch's permutation, replica r the
 r-th slice of b. So the union of the replicas' batches is exactly the batch a
 single process with batch W*b sees at step t, and the position in the data is
-a function of the step alone (exact resume needs nothing else).
+a function of the step alone (exact resume needs nothing else). A data set
+may order an epoch itself (`epoch_order`): shards give each replica its own
+stretch of the epoch, read front to back (shards.py); the step still fixes
+the position.
 
-Augmentation draws from a generator seeded by (seed, epoch, sample index):
-the same sample gets the same crop whichever replica, worker or resumed run
-loads it.
+Loader processes hand over uint8 pixels (HWC), a quarter of the bytes of
+float32; Prepare turns them into the network's input on the device.
 """
 
 from __future__ import annotations
@@ -16,36 +19,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from . import decode
+from .augment import Augment, centre, on_device
 from .sources import BadImage
 
 
 class ShardedBatches:
-    """Batch sampler: one list of (index, epoch) per step, from `start` to `stop`."""
+    """Batch sampler: one list of (index, epoch) per step, from `start` to `stop`.
+
+    `order(seed, epoch, world, rank)`, when given, is this replica's sequence of the epoch
+    (at least per_epoch * batch indices); by default, the r-th slices of a global permutation."""
 
     def __init__(self, n: int, batch: int, world: int = 1, rank: int = 0, seed: int = 0,
-                 start: int = 0, stop: int | None = None, shuffle: bool = True) -> None:
+                 start: int = 0, stop: int | None = None, shuffle: bool = True, order=None) -> None:
         self.n, self.batch, self.world, self.rank, self.seed = n, batch, world, rank, seed
         self.per_epoch = n // (batch * world)
         if self.per_epoch == 0:
             raise ValueError(f"{n} training images are fewer than one global batch "
                              f"({world} replicas x {batch}); lower data.batch_size")
-        self.start, self.stop, self.shuffle = start, stop, shuffle
+        self.start, self.stop, self.shuffle, self.order = start, stop, shuffle, order or self._slices
+        self._cached = (None, None)
 
     def indices(self, step: int) -> list[int]:
         epoch, k = divmod(step, self.per_epoch)
-        perm = self._perm(epoch)
-        lo = (k * self.world + self.rank) * self.batch
-        return perm[lo:lo + self.batch].tolist()
+        if self._cached[0] != epoch:
+            self._cached = (epoch, self.order(self.seed, epoch, self.world, self.rank))
+        return self._cached[1][k * self.batch:(k + 1) * self.batch].tolist()
 
-    def _perm(self, epoch: int) -> torch.Tensor:
+    def _slices(self, seed: int, epoch: int, world: int, rank: int) -> torch.Tensor:
+        used = self.per_epoch * world * self.batch
         if not self.shuffle:
-            return torch.arange(self.n)
-        if getattr(self, "_cached", (None,))[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._cached = (epoch, torch.randperm(self.n, generator=g))
-        return self._cached[1]
+            perm = torch.arange(used)
+        else:
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        return perm[:used].view(self.per_epoch, world, self.batch)[:, rank].reshape(-1)
 
     def __iter__(self):
         step = self.start
@@ -58,60 +66,66 @@ class ShardedBatches:
         return (self.stop - self.start) if self.stop is not None else 2**62
 
 
-class Augmented(torch.utils.data.Dataset):
-    """Random crop (pad by 1/8 then crop back) and horizontal flip, per sample."""
+class Samples(torch.utils.data.Dataset):
+    """(index, epoch) -> (HWC uint8 pixels of side `size`, label, device parameters), or a
+    BadImage naming the sample when it cannot be read or decoded."""
 
-    def __init__(self, base, mode: str, seed: int) -> None:
-        self.base, self.crop, self.flip, self.seed = base, "crop" in mode, "flip" in mode, seed
+    def __init__(self, base, size: int, augment: Augment | None = None) -> None:
+        self.base, self.size, self.augment = base, size, augment
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, key):
         i, epoch = key if isinstance(key, tuple) else (key, 0)
-        item = self.base[i]
-        if isinstance(item, BadImage) or not (self.crop or self.flip):
-            return item
-        x, y = item
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + i)
-        r = torch.randint(0, 2**31 - 1, (3,), generator=g).tolist()
-        if self.crop:
-            size = x.shape[-1]
-            pad = max(1, size // 8)
-            x = F.pad(x.unsqueeze(0), (pad, pad, pad, pad), mode="reflect").squeeze(0)
-            top, left = r[0] % (2 * pad + 1), r[1] % (2 * pad + 1)
-            x = x[:, top:top + size, left:left + size]
-        if self.flip and r[2] % 2:
-            x = x.flip(-1)
-        return x.contiguous(), y
-
-
-class Plain(torch.utils.data.Dataset):
-    """Accepts the sampler's (index, epoch) keys without augmenting."""
-
-    def __init__(self, base) -> None:
-        self.base = base
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, key):
-        return self.base[key[0] if isinstance(key, tuple) else key]
+        a = self.augment
+        u = a.draws(epoch, i) if a else None
+        box = (lambda w, h: a.box(u, w, h)) if a else centre
+        try:
+            raw, y = self.base[i]  # encoded bytes, or pixels already decoded (HWC uint8)
+            x = decode.load(raw, box, self.size) if isinstance(raw, bytes) else \
+                decode.fit(raw, box(raw.shape[1], raw.shape[0]), self.size)
+        except Exception as e:  # noqa: BLE001 - any read or decoder failure is a bad image
+            return BadImage(self.base.name(i), f"{type(e).__name__}: {e}")
+        if a is None:
+            return x, y, None
+        return a.loader_ops(x, u), y, a.device_params(u) if a.on_device else None
 
 
 @dataclass
 class Batch:
-    x: torch.Tensor
+    x: torch.Tensor  # N x H x W x 3 uint8
     y: torch.Tensor
     bad: list[BadImage]
+    params: torch.Tensor | None = None  # N x augment.PARAMS, for the device's augmentations
 
 
 def collate(items) -> Batch:
     good = [it for it in items if not isinstance(it, BadImage)]
     bad = [it for it in items if isinstance(it, BadImage)]
     if not good:
-        return Batch(torch.empty(0), torch.empty(0, dtype=torch.long), bad)
-    return Batch(torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), bad)
+        return Batch(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.long), bad)
+    params = torch.stack([g[2] for g in good]) if good[0][2] is not None else None
+    return Batch(torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), bad, params)
+
+
+class Prepare:
+    """The device's part of the input: uint8 pixels -> [0, 1] -> the augmentations that are
+    float work (augment.ON_DEVICE), batched -> normalised by the data set's channel statistics."""
+
+    def __init__(self, names, stats: tuple, device: torch.device, channels_last: bool = False) -> None:
+        self.names, self.device = set(names), device
+        self.mean, self.std = (torch.tensor(v, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+                               for v in stats)
+        self.format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        # one copy of uint8 to the device; its NCHW view of HWC memory is channels-last
+        x = batch.x.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        if batch.params is not None:
+            x = on_device(x, batch.params.to(self.device, non_blocking=True), self.names)
+        x = x.sub_(self.mean).div_(self.std).contiguous(memory_format=self.format)
+        return x, batch.y.to(self.device, non_blocking=True)
 
 
 def _one_thread(_: int) -> None:
@@ -129,8 +143,9 @@ def make_loader(dataset, sampler, workers: int, prefetch: int, pin: bool) -> tor
 
 def train_loader(train_set, cfg, start: int, stop: int, world: int = 1, rank: int = 0, pin: bool = False):
     d = cfg.data
-    sampler = ShardedBatches(len(train_set), d.batch_size, world, rank, cfg.train.seed, start, stop)
-    ds = Augmented(train_set, d.augment, cfg.train.seed) if d.augment != "none" else Plain(train_set)
+    sampler = ShardedBatches(len(train_set), d.batch_size, world, rank, cfg.train.seed, start, stop,
+                             order=getattr(train_set, "epoch_order", None))
+    ds = Samples(train_set, d.image_size, Augment(d.augment, cfg.train.seed) if d.augment else None)
     return make_loader(ds, sampler, d.workers, d.prefetch, pin), sampler
 
 
@@ -139,4 +154,4 @@ def test_loader(test_set, cfg, pin: bool = False, rank: int = 0, world: int = 1)
     evaluate their slices at once and sum what they count."""
     mine, b = list(range(rank, len(test_set), world)), max(cfg.data.batch_size, 64)
     batches = [[(i, 0) for i in mine[lo:lo + b]] for lo in range(0, len(mine), b)]
-    return make_loader(Plain(test_set), batches, cfg.data.workers, cfg.data.prefetch, pin)
+    return make_loader(Samples(test_set, cfg.data.image_size), batches, cfg.data.workers, cfg.data.prefetch, pin)

@@ -1,8 +1,11 @@
-"""Datasets: digits, synthetic, imagefolder, manifest.
+"""Datasets: digits, synthetic, imagefolder, manifest (shards: shards.py).
 
-Every dataset maps an index to (image CHW float32 of side image_size, label),
-or to a BadImage record when a file cannot be decoded, so the loader can
-apply the on_bad_image policy in one place. Problems that can be seen
+Every dataset maps an index to (image, label): the encoded bytes of a file,
+or pixels already decoded (HWC uint8); `name(i)` says which file or sample
+an index is, and `stats` are the channel means and deviations (of [0, 1]
+values) the device normalises with. Decoding, cropping and augmentation are
+the loader's (loader.Samples), which turns any failure into a BadImage so
+the on_bad_image policy applies in one place. Problems that can be seen
 without decoding (a missing file, a label out of range) are raised as
 DataError at start-up, naming the file and line.
 """
@@ -22,8 +25,7 @@ from ..errors import DataError
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 # ImageNet channel statistics: what pretrained ResNets expect.
-MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
-STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 
 @dataclass(frozen=True)
@@ -33,52 +35,46 @@ class BadImage:
 
 
 class TensorDataset(torch.utils.data.Dataset):
-    """Images already decoded into one tensor (digits, synthetic)."""
+    """Images already decoded into one N x H x W x 3 uint8 tensor (digits, synthetic)."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, length: int | None = None) -> None:
-        self.images, self.labels = images, labels
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, stats: tuple, length: int | None = None,
+                 what: str = "image") -> None:
+        self.images, self.labels, self.stats, self.what = images, labels, stats, what
         self.length = len(images) if length is None else length
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, i: int):
-        j = i % len(self.images)
-        return self.images[j], int(self.labels[i % len(self.labels)])
+        return self.images[i % len(self.images)], int(self.labels[i % len(self.labels)])
+
+    def name(self, i: int) -> str:
+        return f"{self.what} {i}"
 
 
 class FileDataset(torch.utils.data.Dataset):
-    """Image files with integer labels, decoded on demand (in loader workers)."""
+    """Image files with integer labels, read whole (decoded in the loader)."""
 
-    def __init__(self, paths: list[str], labels: list[int], size: int) -> None:
-        self.paths, self.labels, self.size = paths, labels, size
+    stats = IMAGENET
+
+    def __init__(self, paths: list[str], labels: list[int]) -> None:
+        self.paths, self.labels = paths, labels
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        path = self.paths[i]
-        try:
-            img = decode(path, self.size)
-        except Exception as e:  # noqa: BLE001 - any decoder failure is a bad image
-            return BadImage(path, f"{type(e).__name__}: {e}")
-        return img, self.labels[i]
+        with open(self.paths[i], "rb") as fh:
+            return fh.read(), self.labels[i]
+
+    def name(self, i: int) -> str:
+        return self.paths[i]
 
 
-def decode(path: str, size: int) -> torch.Tensor:
-    """Shorter side resized to `size`, centre square cropped, normalised."""
-    from PIL import Image
-
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        w, h = im.size
-        s = size / min(w, h)
-        im = im.resize((max(size, round(w * s)), max(size, round(h * s))), Image.BILINEAR)
-        w, h = im.size
-        left, top = (w - size) // 2, (h - size) // 2
-        im = im.crop((left, top, left + size, top + size))
-        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
-    return (x.float() / 255.0 - MEAN) / STD
+def to_pixels(x: torch.Tensor) -> torch.Tensor:
+    """N x C x H x W floats in [0, 1] -> N x H x W x 3 uint8 (grey repeated to RGB)."""
+    x = (x.clamp(0, 1) * 255).round().to(torch.uint8).expand(-1, 3, -1, -1)
+    return x.permute(0, 2, 3, 1).contiguous()
 
 
 def digits(size: int) -> tuple[TensorDataset, TensorDataset, list[str]]:
@@ -87,23 +83,23 @@ def digits(size: int) -> tuple[TensorDataset, TensorDataset, list[str]]:
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).expand(-1, 3, -1, -1)
+    x = to_pixels(F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False))
     y = torch.tensor(d.target, dtype=torch.long)
     order = torch.from_numpy(np.random.RandomState(0).permutation(len(y)))
     n_test = len(y) // 5
     test, train = order[:n_test], order[n_test:]
-    mean, std = x[train].mean(), x[train].std()
-    x = ((x - mean) / std).contiguous()
-    return (TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]),
+    v = x[train].double() / 255
+    stats = ((v.mean().item(),) * 3, (v.std().item(),) * 3)  # grey: one mean and deviation for all channels
+    return (TensorDataset(x[train], y[train], stats, what="digit"), TensorDataset(x[test], y[test], stats, what="digit"),
             [str(i) for i in range(10)])
 
 
 def synthetic(size: int, num_classes: int, length: int) -> tuple[TensorDataset, TensorDataset, list[str]]:
     """Random images for throughput work: a fixed pool of 64, cycled."""
     g = torch.Generator().manual_seed(1234)
-    pool = torch.randn(64, 3, size, size, generator=g)
+    pool = torch.randint(0, 256, (64, size, size, 3), generator=g, dtype=torch.uint8)
     labels = torch.randint(0, num_classes, (max(length, 256),), generator=g)
-    return (TensorDataset(pool, labels, length), TensorDataset(pool, labels[:256], 256),
+    return (TensorDataset(pool, labels, IMAGENET, length), TensorDataset(pool, labels[:256], IMAGENET, 256),
             [str(i) for i in range(num_classes)])
 
 
@@ -190,15 +186,9 @@ def read_manifest(path: str, num_classes: int, classes: list[str] | None = None)
     return paths, labels, classes
 
 
-def build_datasets(cfg) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
-    """(train, test, class names) for a Config."""
+def file_lists(cfg) -> tuple[tuple[list, list], tuple[list, list], list[str]]:
+    """((train paths, labels), (test paths, labels), class names) of an imagefolder or manifest."""
     d, n = cfg.data, cfg.model.num_classes
-    if d.name == "digits":
-        if n < 10:
-            raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {n} is too small")
-        return digits(d.image_size)
-    if d.name == "synthetic":
-        return synthetic(d.image_size, n, d.synthetic_size)
     read = scan_folder if d.name == "imagefolder" else read_manifest
     paths, labels, classes = read(d.root, n)
     if d.test_root:
@@ -208,4 +198,21 @@ def build_datasets(cfg) -> tuple[torch.utils.data.Dataset, torch.utils.data.Data
         train, test = _split(paths, labels, d.test_fraction)
     if not train[0]:
         raise DataError(f"data.root: {d.root} leaves no training images after holding out the test set")
-    return FileDataset(*train, d.image_size), FileDataset(*test, d.image_size), classes
+    return train, test, classes
+
+
+def build_datasets(cfg) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
+    """(train, test, class names) for a Config."""
+    d, n = cfg.data, cfg.model.num_classes
+    if d.name == "digits":
+        if n < 10:
+            raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {n} is too small")
+        return digits(d.image_size)
+    if d.name == "synthetic":
+        return synthetic(d.image_size, n, d.synthetic_size)
+    if d.name == "shards":
+        from .shards import open_shards
+
+        return open_shards(d.root, n, d.shuffle_buffer)
+    train, test, classes = file_lists(cfg)
+    return FileDataset(*train), FileDataset(*test), classes
