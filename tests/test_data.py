@@ -124,3 +124,25 @@ def test_loaded_replica_batches_equal_the_single_batch_with_augmentation(digits_
     for big, *parts in zip(single, *replicas):
         assert torch.equal(big.x, torch.cat([p.x for p in parts]))
         assert torch.equal(big.y, torch.cat([p.y for p in parts]))
+
+
+def test_slow_loading_is_named_once(tmp_path, env):
+    """Photo-sized JPEGs decoded in the training process (data.workers = 0) keep a tiny model
+    waiting: one warning names data.workers; with the images in memory and a loader process
+    there is none."""
+    write_images(tmp_path / "data", per_class=8, size=(500, 375))
+    common = ["--recipe", "recipes/digits.toml", "--quiet", "--set", "model.num_classes=3",
+              "--set", "model.width=4", "--set", "data.batch_size=8", "--set", "train.steps=24",
+              "--set", "train.log_every=2", "--set", "data.workers=0"]
+    slow = subprocess.run(scaletrain_cmd("train", *common, "--set", "data.name=imagefolder", "--set",
+                                         f"data.root={tmp_path / 'data'}", "--run-dir", str(tmp_path / "a")),
+                          capture_output=True, text=True, env=env)
+    assert slow.returncode == 0, slow.stderr
+    assert slow.stderr.count("waited for data") == 1 and "data.workers = 0 loader processes" in slow.stderr
+    rows = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["data_wait_fraction"] > 0.1 for r in rows if r.get("data_wait_fraction") is not None)
+    fast = subprocess.run(scaletrain_cmd("train", *common, "--set", "model.num_classes=10", "--set", "data.workers=1",
+                                         "--set", "model.name=resnet20", "--set", "model.width=16",
+                                         "--set", "data.image_size=32", "--set", "data.batch_size=32",
+                                         "--run-dir", str(tmp_path / "b")), capture_output=True, text=True, env=env)
+    assert fast.returncode == 0 and "waited for data" not in fast.stderr

@@ -140,8 +140,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     try:
         while not tick.stop:
             t0 = time.perf_counter()
-            x, y = run.usable(next(batches))
+            batch = next(batches)
             run.clock.wait += time.perf_counter() - t0
+            x, y = run.usable(batch)
             if x is None:
                 if ctx.distributed:  # skipping would leave the other replicas waiting in the step's collective
                     raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
@@ -203,6 +204,7 @@ class Run:
         self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
         self.stopped = 0  # the signal that stopped the job before its end (dist.stopped), 0 while it runs
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
+        self.slow_input = 0  # log windows in a row the chief waited for data over 10% (None: warned)
 
     def usable(self, batch: Batch):
         """The batch on the device as the network's input, without images that could not be read
@@ -236,6 +238,7 @@ class Run:
                    "train_wall": self.clock.now(), "loss": self.last_loss, "lr": lr}
             if rate is not None:
                 row.update(images_per_sec=rate, data_wait_fraction=window[2] / window[1])
+                self._watch_input(window[2] / window[1])
             if self.rec:
                 self.rec.row("train", step, **row)
             self.bar.update(step, self.last_loss, rate or 0.0)
@@ -246,6 +249,20 @@ class Run:
         every = self.cfg.train.checkpoint_every_s
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to an agreed step
+
+    def _watch_input(self, wait: float, limit: float = 0.1, windows: int = 3) -> None:
+        """Warn once when the chief waited for data over `limit` of its time in `windows` log
+        windows in a row: its loaders, not the model, set the pace."""
+        if self.slow_input is None or not self.chief:
+            return
+        self.slow_input = self.slow_input + 1 if wait > limit else 0
+        if self.slow_input == windows:
+            d = self.cfg.data
+            log.warning("worker 0 waited for data %.0f%% of the last log window (over %.0f%% in %d windows in a row): "
+                        "its data.workers = %d loader processes decode and augment slower than the model trains; "
+                        "raise data.workers where cores are free, pack the images into shards (scaletrain pack), "
+                        "or lighten data.augment", 100 * wait, 100 * limit, windows, d.workers)
+            self.slow_input = None
 
     def _note_lost(self, tick: Tick) -> None:
         """Record the worker nodes the chief declared lost since the last step: when (job clock)
