@@ -14,7 +14,7 @@ import pytest
 from scaletrain.config import load_config
 from scaletrain.perfmodel import costs
 from scaletrain.perfmodel.predict import estimate, predict
-from scaletrain.perfmodel.profile import Profile, ProfileError, load_profile
+from scaletrain.perfmodel.profile import Profile, ProfileError, dump_profile, load_profile
 from scaletrain.perfmodel.recommend import recommend
 from scaletrain.perfmodel.setup import ModelError, check_workload, make_setup
 from scaletrain.perfmodel.simulate import simulate
@@ -135,6 +135,42 @@ def test_speed_spread_slows_sync_more_than_async():
         even, _ = estimate(fast, st)
         uneven, _ = estimate(fast, st, spread=0.3)
         assert lo < uneven.images_per_sec / even.images_per_sec < hi, name
+
+
+# --- the input pipeline ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy,ps", [("allreduce", 0), ("sync", 1), ("mixed-async", 1)])
+def test_slow_loaders_bound_the_throughput(strategy, ps):
+    # 2 loaders a replica at 2 img/s each need 8 s per 32-image batch, far over the ~3 s of
+    # compute and communication: every replica runs at its loaders' pace, communication included.
+    slow = replace(TOY, input_rate=2.0)
+    row = predict(cfg_of(strategy, nodes=2, gpus=2, ps=ps, data__workers=2), slow)
+    assert row["bottleneck"] == "input" and row["parts_s"]["input"] == pytest.approx(8.0)
+    assert row["images_per_sec"] == pytest.approx(4 * 2.0 * 2, rel=0.01)
+    assert row["parts_s"]["compute"] == TOY.compute_s
+
+
+def test_loading_in_the_training_process_is_in_series_with_compute():
+    prof = replace(TOY, input_rate=16.0, optimizer_s=0.0)  # 2 s of loading a 32-image batch
+    row = predict(cfg_of(data__workers=0), prof)
+    assert row["images_per_sec"] == pytest.approx(32 / (1.0 + 32 / 16.0))
+    assert row["bottleneck"] == "input" and row["busy"]["input"] == pytest.approx(2 / 3)
+    # the same core's work in a background loader (2 of them) overlaps compute instead
+    assert predict(cfg_of(data__workers=2), prof)["images_per_sec"] == pytest.approx(32 / 1.0)
+
+
+def test_input_rate_0_changes_nothing(tmp_path):
+    without, zero = tmp_path / "without.toml", tmp_path / "zero.toml"
+    text = dump_profile(TOY, {})
+    without.write_text(text.replace("[input]\ninput_rate = 0.0\n", ""))
+    zero.write_text(text)
+    assert "[input]" not in without.read_text() and load_profile(without)[0] == load_profile(zero)[0] == TOY
+    for cfg in (cfg_of(data__workers=0), cfg_of("sync", nodes=2, ps=1), cfg_of("mixed-async", nodes=2, ps=1)):
+        a, b = predict(cfg, load_profile(without)[0]), predict(cfg, load_profile(zero)[0])
+        assert a == b and "input" not in a["parts_s"] and "input" not in a["busy"]
+    # and a profile carries its rate through dump and load
+    (tmp_path / "rate.toml").write_text(dump_profile(replace(TOY, input_rate=150.0), {}))
+    assert load_profile(tmp_path / "rate.toml")[0].input_rate == 150.0
 
 
 # --- predictions, the study's profile, the recommender -----------------------------------------

@@ -10,6 +10,10 @@ These formulas assume every replica runs at the same speed; uneven speeds,
 backups and asynchronous shards go to the event simulation (simulate.py).
 On a shared host (profile.shared_cores > 0) every process's work competes
 for the same cores; a step is then at least its total CPU work / cores.
+Background loaders (data.workers > 0) fill each replica's next batch while it
+computes and communicates: a step lasts at least the time they take
+(loader_floor). Loading in the training process is in series with compute:
+predict.estimate adds it to compute_s before these formulas run.
 """
 
 from __future__ import annotations
@@ -64,7 +68,21 @@ def intra_broadcast_s(p: Profile, st: Setup) -> float:
 
 def shared_floor(p: Profile, cpu_s: float) -> float:
     """On a shared host a step lasts at least the CPU work of all its processes over the cores."""
+    # Background loaders are left out of cpu_s: on a shared host they take cores from compute, so
+    # the step comes out short while they are busy, but their CPU per image there is not measured
+    # (calibrate writes input_rate 0). Loading done by the training process counts, in compute_s.
     return cpu_s / p.shared_cores if p.shared_cores else 0.0
+
+
+def input_s(p: Profile, st: Setup) -> float:
+    """Seconds of input (read, decode, augment) per step of one replica: its batch over its
+    loader cores at once, or over the training process's own core when it has none."""
+    return p.batch_per_replica / (p.input_rate * max(1, st.loaders)) if p.input_rate else 0.0
+
+
+def loader_floor(p: Profile, st: Setup) -> float:
+    """The least step background loaders allow: they overlap the whole step, not only compute."""
+    return input_s(p, st) if st.loaders else 0.0
 
 
 def allreduce(p: Profile, st: Setup) -> Estimate:
@@ -77,7 +95,7 @@ def allreduce(p: Profile, st: Setup) -> Estimate:
         bw, lat = p.net_bandwidth, p.net_latency
     comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
     parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
-    step = max(sum(parts.values()), shared_floor(p, n * sum(parts.values())))
+    step = max(sum(parts.values()), shared_floor(p, n * sum(parts.values())), loader_floor(p, st))
     moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
     links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
     est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links)
@@ -105,7 +123,7 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
              "network": 2 * (max(push, local) + lat), "PS CPU": cpu_tail}
     moved = 2 * n_push * sum(st.shard_bytes)  # every gradient and every reply, copied once each
     cpu = st.nodes * st.replicas * (p.compute_s + parts["intra-node"]) + sum(apply_k) + moved / p.local_bandwidth
-    step = max(sum(parts.values()), shared_floor(p, cpu))
+    step = max(sum(parts.values()), shared_floor(p, cpu), loader_floor(p, st))
     # A node's link sends its pushes and its PS's replies, and receives as much.
     links = {f"node {a + 1}": out_b.get(a, 0.0) + in_b.get(a, 0.0) for a in sorted({*out_b, *in_b})}
     est = Estimate(step, st.nodes * st.replicas * p.batch_per_replica, parts, link_bytes=links,

@@ -32,7 +32,19 @@ def expected_max(p: Profile, n: int, spread: float, samples: int = 4000, seed: i
 
 
 def estimate(p: Profile, st: Setup, spread: float = 0.0, seed: int = 0) -> tuple[costs.Estimate, str]:
-    """The step estimate and the method that made it ('closed form' or 'simulation')."""
+    """The step estimate and the method that made it ('closed form' or 'simulation').
+    A training process that loads its own batches does so in series with compute, so that
+    time joins compute_s; background loaders set a floor under the step (costs.loader_floor).
+    parts keeps compute and input apart."""
+    if not p.input_rate:
+        return _estimate(p, st, spread, seed)
+    fed = p if st.loaders else replace(p, compute_s=p.compute_s + costs.input_s(p, st))
+    est, method = _estimate(fed, st, spread, seed)
+    est.parts.update(compute=p.compute_s, input=costs.input_s(p, st))
+    return est, method
+
+
+def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Estimate, str]:
     if not st.uses_ps:
         n = st.nodes * st.replicas
         slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
@@ -58,10 +70,11 @@ def estimate(p: Profile, st: Setup, spread: float = 0.0, seed: int = 0) -> tuple
 
 
 def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float]]:
-    """The busiest of compute, intra-node, network (all-reduce between nodes) or PS network
-    (the busiest link), PS CPU and stragglers, by the fraction of the step each keeps busy;
-    with the fractions."""
+    """The busiest of compute, input (the loaders), intra-node, network (all-reduce between nodes)
+    or PS network (the busiest link), PS CPU and stragglers, by the fraction of the step each
+    keeps busy; with the fractions."""
     share = {"compute": est.parts.get("compute", 0.0) / est.step_s,
+             **({"input": est.parts["input"] / est.step_s} if "input" in est.parts else {}),
              "intra-node": est.parts.get("intra-node", 0.0) / est.step_s,
              "PS network" if uses_ps else "network": est.link_util,
              "PS CPU": est.ps_cpu_util, "straggler": est.straggler_s / est.step_s}

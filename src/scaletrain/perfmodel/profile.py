@@ -38,6 +38,9 @@ class Profile:
     # parameter server
     ps_apply_rate: float = opt(1e9, "gradient bytes/s one PS process takes in and applies (CPU work)",
                                lo=1.0, hi=1e15)
+    # input pipeline: its own table, as it belongs to the data set's files and the node's CPU at once
+    input_rate: float = opt(0.0, "images/s one loader core reads, decodes and augments to image_size "
+                            "(0: input not modelled)", lo=0.0, hi=1e7)
     # host
     shared_cores: int = opt(0, "0: nodes are separate machines; C: every process of every node shares the "
                             "C CPU cores of one host (the local launcher)", lo=0, hi=100_000)
@@ -76,6 +79,7 @@ SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_b
             "node": ("replicas_per_node", "compute_s", "optimizer_s", "intra_bandwidth", "intra_latency"),
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
             "ps": ("ps_apply_rate",),
+            "input": ("input_rate",),
             "host": ("shared_cores",)}
 
 

@@ -30,6 +30,7 @@ class Setup:
     ps_nodes: tuple[int, ...]    # node of each PS
     slow_node: int               # node whose replicas are slowed (-1: none)
     slow_delay_s: float
+    loaders: int                 # background loader processes per replica (0: the training process loads)
 
     @property
     def pushers(self) -> int:
@@ -85,7 +86,8 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
                  sync=e.server == "sync", per_node=e.per_node,
                  wait_for=wait_for(cfg, pushers) if e.uses_ps else 0,
                  shard_bytes=shard_bytes(cfg, prof.gradient_bytes) if e.uses_ps else (),
-                 ps_nodes=tuple(p.node for p in plan.ps), slow_node=s.slow_node, slow_delay_s=s.slow_delay_s)
+                 ps_nodes=tuple(p.node for p in plan.ps), slow_node=s.slow_node, slow_delay_s=s.slow_delay_s,
+                 loaders=cfg.data.workers)
 
 
 def check_workload(cfg: Config, prof: Profile, path: str) -> None:

@@ -9,7 +9,9 @@ gradients) and uneven replica speeds (stragglers).
   coefficient of variation `spread`, plus strategy.slow_delay_s on the slow
   node; a node waits for its slowest replica), average inside the node, send
   each shard its slice, wait for every shard's reply, share the values inside
-  the node.
+  the node. With background loaders a pusher's replicas start a step no
+  sooner than the loaders' time for one batch after they started the last
+  (costs.loader_floor); that wait counts as computing.
 - A transfer between nodes holds the sender's outgoing and the receiver's
   incoming link for bytes / net_bandwidth (links taken in that order, so two
   transfers never wait on each other in a cycle), then latency passes.
@@ -20,7 +22,8 @@ gradients) and uneven replica speeds (stragglers).
   in, then all contributors get the new version; a gradient of an older
   version is dropped and its sender gets the current values.
 - On a shared host every piece of work (compute, averaging, copies, a
-  shard's CPU) holds one of the host's cores while it runs.
+  shard's CPU) holds one of the host's cores while it runs; background
+  loaders hold none (see costs.shared_floor).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from .costs import intra_average_s, intra_broadcast_s
+from .costs import intra_average_s, intra_broadcast_s, loader_floor
 from .profile import Profile
 from .setup import Setup
 
@@ -41,7 +44,7 @@ from .setup import Setup
 class SimResult:
     images_per_sec: float
     step_s: float                    # mean seconds between two steps of a pusher
-    compute_s: float                 # mean seconds a pusher's replicas spend computing per step
+    compute_s: float                 # mean seconds a pusher's replicas compute (or wait for data) per step
     intra_s: float                   # seconds per step averaging and sharing inside the node
     staleness_mean: float
     dropped_fraction: float          # gradients dropped (too late) over gradients sent
@@ -108,10 +111,14 @@ class _Sim:
         seen = [0] * len(st.shard_bytes)
         intra = intra_average_s(p, st) if st.per_node else 0.0
         share = intra_broadcast_s(p, st) if st.per_node else 0.0
+        feed, ready = loader_floor(p, st), 0.0
         while True:
             slow = st.slow_delay_s if node == st.slow_node else 0.0
             times = [p.compute_s * self.factor() + slow for _ in range(reps)]
             t0 = env.now
+            if env.now < ready:  # the loaders have not filled the next batch yet
+                yield env.timeout(ready - env.now)
+            ready = env.now + feed
             yield env.all_of([env.process(self.work(t)) for t in times])
             self.computing += env.now - t0
             if intra:
