@@ -19,7 +19,8 @@ import time
 import torch
 
 from scaletrain.config import build_config
-from scaletrain.data import build_datasets
+from scaletrain.data import Prepare, build_datasets
+from scaletrain.data.loader import collate
 from scaletrain.metrics import run_info, sync
 from scaletrain.models import build_model
 from scaletrain.train import pick_device, train
@@ -34,8 +35,8 @@ def bare_loop(cfg, steps: int, warmup: int) -> float:
                           weight_decay=cfg.optim.weight_decay)
     train_set, _, _ = build_datasets(cfg)
     b = cfg.data.batch_size
-    xs = torch.stack([train_set[i][0] for i in range(b)]).to(device)
-    ys = torch.tensor([train_set[i][1] for i in range(b)], device=device)
+    batch = collate([(*train_set[i], None) for i in range(b)])  # uint8 pixels, made the network's input once
+    xs, ys = Prepare([], train_set.stats, device)(batch)
     for i in range(warmup + steps):
         if i == warmup:
             sync(device)

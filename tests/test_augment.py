@@ -145,3 +145,8 @@ def test_augment_key_accepts_lists_words_and_false():
     assert aug("crop+flip") == ["crop", "flip"] and aug("false") == [] and aug("[]") == [] and aug("none") == []
     with pytest.raises(ConfigError, match=r"data.augment = .*'blur' is not an augmentation; choose from resized-crop"):
         aug("blur")
+
+
+def test_the_largest_seed_draws():
+    aug = Augment(["flip"], seed=2**31 - 1)
+    assert aug.draws(90, 10**7).shape == aug.draws(0, 0).shape and not torch.equal(aug.draws(0, 1), aug.draws(0, 2))

