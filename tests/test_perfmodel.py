@@ -292,3 +292,22 @@ def test_predict_cli_table_json_and_errors():
     assert r.returncode == 2 and "measured for resnet50" in r.stderr and "Traceback" not in r.stderr
     r = run("predict", "--profile", "profiles/nope.toml", "--recipe", "recipes/digits.toml")
     assert r.returncode == 2 and "profile profiles/nope.toml not found" in r.stderr
+
+
+def test_epoch_time_is_images_over_throughput_and_the_study_trains_in_its_hours():
+    from scaletrain.perfmodel.predict import add_time
+
+    row = add_time(predict(cfg_of("allreduce", nodes=2, gpus=4), TOY), 1_000_000, 3)
+    assert row["epoch_s"] == pytest.approx(1_000_000 / row["images_per_sec"])
+    assert row["train_hours"] == pytest.approx(3 * row["epoch_s"] / 3600)
+    assert "epoch_s" not in add_time(predict(cfg_of(), TOY), 0, 3)  # no data set size, no epoch time
+    # the study profile's one node: its 39.5 epochs of 1.2 million images take the study's ~106 hours
+    r = run("predict", "--profile", "profiles/study-k80.toml", "--recipe", "recipes/anp-resnet50.toml",
+            "--set", "cluster.gpus_per_node=4", "--set", "cluster.nodes=1", "--format", "json")
+    one = json.loads(r.stdout)[0]
+    assert one["epoch_images"] == 1_200_000 and one["train_hours"] == pytest.approx(106, rel=0.05)
+    r = run("predict", "--profile", "profiles/study-k80.toml", "--recipe", "recipes/anp-resnet50.toml",
+            "--set", "cluster.gpus_per_node=4", "--images", "600000", "--epochs", "2")
+    assert r.returncode == 0 and "| Epoch (h) | Training time (h) |" in r.stdout
+    hours = float(r.stdout.strip().splitlines()[-1].rstrip("| ").split("|")[-1])
+    assert hours == pytest.approx(2 * 600_000 / one["images_per_sec"] / 3600, abs=0.06)

@@ -24,6 +24,10 @@ def add_parsers(sub) -> None:
     pr.add_argument("--format", choices=("table", "json"), default="table")
     pr.add_argument("--spread", type=float, default=0.0,
                     help="coefficient of variation of replica step times (0 = equal speeds)")
+    pr.add_argument("--images", type=int, help="training images per epoch: adds seconds per epoch (default: the "
+                    "profile's dataset_images)")
+    pr.add_argument("--epochs", type=float, help="epochs to train: adds hours to train (default: the profile's "
+                    "epochs, else the recipe's train.epochs)")
     pr.add_argument("--recommend", action="store_true", help="best strategy, PS count and placement per node count")
     pr.add_argument("--max-nodes", type=int, default=16)
     pr.add_argument("--objective", choices=("throughput", "efficiency"), default="throughput")
@@ -79,13 +83,17 @@ def predict_main(args) -> int:
         if args.recommend:
             return _recommend(args, cfg, prof)
         grid = parse_grid(args.grid)
+        images = prof.dataset_images if args.images is None else args.images
+        epochs = (prof.epochs or cfg.train.epochs) if args.epochs is None else args.epochs
+        if images < 0 or epochs < 0:
+            raise ConfigError(f"--images {images} / --epochs {epochs}: must be >= 0")
     except (ProfileError, ConfigError, ModelError, GridError) as e:
         return _fail(str(e))
     rows = []
     for cell in cells(grid):
         label = ", ".join(f"{k}={v}" for k, v in cell.items()) or "recipe"
         try:
-            row = predict_cell(cfg, cell, prof, args.spread)
+            row = add_time(predict_cell(cfg, cell, prof, args.spread), images, epochs)
         except (ConfigError, ModelError) as e:
             row = {"label": label, "error": str(e)}
         rows.append({"cell": cell, "label": label, **row})
@@ -96,6 +104,12 @@ def predict_main(args) -> int:
 
         print(table(rows))
     return 1 if any(r.get("error") for r in rows) else 0
+
+
+def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:
+    from .predict import add_time as timed
+
+    return timed(row, images, epochs)
 
 
 def predict_cell(cfg, cell: dict[str, str], prof, spread: float) -> dict[str, Any]:

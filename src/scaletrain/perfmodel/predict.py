@@ -106,16 +106,32 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
             "staleness_mean": est.staleness_mean, "dropped_fraction": est.dropped_fraction, "method": method}
 
 
+def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:
+    """The row with seconds per epoch of `images` and hours to train `epochs` of them, at its
+    predicted throughput (as the companion talk's model: epoch time = images / throughput)."""
+    if images and not row.get("error"):
+        row["epoch_images"], row["epoch_s"] = images, images / row["images_per_sec"]
+        if epochs:
+            row["epochs"], row["train_hours"] = epochs, epochs * row["epoch_s"] / 3600
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: the predicted figures of each row, with its bottleneck."""
+    """Markdown: the predicted figures of each row, with its bottleneck (and epoch and training
+    time where the rows have them)."""
+    timed = any("epoch_s" in r for r in rows)
+    trained = any("train_hours" in r for r in rows)
+    extra = (" Epoch (h) |" if timed else "") + (" Training time (h) |" if trained else "")
     lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step (ms) | Bottleneck | PS CPU | "
-             "Busiest link | Staleness | Method |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "Busiest link | Staleness | Method |" + extra, "|---" * (10 + timed + trained) + "|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | not predicted: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['label']} | not predicted: {r['error']} |" + " |" * (8 + timed + trained))
             continue
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f}"
         lines.append(f"| {figures.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
                      f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
-                     f"{r['link_util']:.2f} | {stale} | {r['method']} |")
+                     f"{r['link_util']:.2f} | {stale} | {r['method']} |"
+                     + (f" {r['epoch_s'] / 3600:.2f} |" if timed else "")
+                     + (f" {r['train_hours']:.1f} |" if trained else ""))
     return "\n".join(lines)

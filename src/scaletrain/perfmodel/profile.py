@@ -24,6 +24,10 @@ class Profile:
     image_size: int = opt(224, "input side in pixels the compute figures belong to", lo=1, hi=100_000)
     batch_per_replica: int = opt(32, "images per replica per step the compute figures belong to", lo=1, hi=100_000)
     gradient_bytes: int = opt(0, "bytes of one full gradient (fp32 parameters x 4)", lo=1, hi=10**13)
+    dataset_images: int = opt(0, "training images in one epoch, for epoch time (0 = not given; predict --images)",
+                              lo=0, hi=10**12)
+    epochs: float = opt(0.0, "epochs of a training run, for time to train (0 = not given; predict --epochs)",
+                        lo=0.0, hi=1e6)
     # node
     replicas_per_node: int = opt(1, "replicas (GPUs, or CPU slots) one node offers", lo=1, hi=1024)
     compute_s: float = opt(1.0, "seconds of forward + backward of one replica's batch", lo=1e-7, hi=1e5)
@@ -75,7 +79,7 @@ def load_profile(path: str | Path) -> tuple[Profile, dict]:
     return Profile(**values), about
 
 
-SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_bytes"),
+SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_bytes", "dataset_images", "epochs"),
             "node": ("replicas_per_node", "compute_s", "optimizer_s", "intra_bandwidth", "intra_latency"),
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
             "ps": ("ps_apply_rate",),
