@@ -251,17 +251,15 @@ class Run:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to an agreed step
 
     def _watch_input(self, wait: float, limit: float = 0.1, windows: int = 3) -> None:
-        """Warn once when the chief waited for data over `limit` of its time in `windows` log
-        windows in a row: its loaders, not the model, set the pace."""
+        """Warn once when the chief waited for data over `limit` of `windows` log windows in a row."""
         if self.slow_input is None or not self.chief:
             return
         self.slow_input = self.slow_input + 1 if wait > limit else 0
         if self.slow_input == windows:
-            d = self.cfg.data
             log.warning("worker 0 waited for data %.0f%% of the last log window (over %.0f%% in %d windows in a row): "
                         "its data.workers = %d loader processes decode and augment slower than the model trains; "
                         "raise data.workers where cores are free, pack the images into shards (scaletrain pack), "
-                        "or lighten data.augment", 100 * wait, 100 * limit, windows, d.workers)
+                        "or lighten data.augment", 100 * wait, 100 * limit, windows, self.cfg.data.workers)
             self.slow_input = None
 
     def _note_lost(self, tick: Tick) -> None:

@@ -89,6 +89,8 @@ def predict_main(args) -> int:
             raise ConfigError(f"--images {images} / --epochs {epochs}: must be >= 0")
     except (ProfileError, ConfigError, ModelError, GridError) as e:
         return _fail(str(e))
+    from .predict import add_time
+
     rows = []
     for cell in cells(grid):
         label = ", ".join(f"{k}={v}" for k, v in cell.items()) or "recipe"
@@ -104,12 +106,6 @@ def predict_main(args) -> int:
 
         print(table(rows))
     return 1 if any(r.get("error") for r in rows) else 0
-
-
-def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:
-    from .predict import add_time as timed
-
-    return timed(row, images, epochs)
 
 
 def predict_cell(cfg, cell: dict[str, str], prof, spread: float) -> dict[str, Any]:
