@@ -3,9 +3,12 @@
 The cost of moving n bytes in one message is latency + n / bandwidth (the
 alpha-beta model). A node's network link carries bytes out and in at once,
 each at `net_bandwidth`; a transfer between two processes of one node (a PS
-alongside its node's worker) uses `local_bandwidth` and no network link. A PS
-process spends bytes / `ps_apply_rate` of CPU on each gradient it takes in.
-
+alongside its node's worker) uses `local_bandwidth` and no network link. A
+synchronous PS shard adds each gradient into an accumulator (bytes /
+`ps_accumulate_rate` of CPU) and applies one update per version (bytes /
+`ps_apply_rate`), as TensorFlow's synchronous replicas and scaletrain's server
+both do; an asynchronous one applies every gradient. A one-thread shard
+(scaletrain's) also moves each of its messages itself, one after another.
 These formulas assume every replica runs at the same speed; uneven speeds,
 backups and asynchronous shards go to the event simulation (simulate.py).
 On a shared host (profile.shared_cores > 0) every process's work competes
@@ -46,6 +49,7 @@ class Estimate:
     link_util: float = 0.0               # busiest network link's busy fraction
     link_bytes: dict[str, float] = field(default_factory=dict)  # bytes each node's link sends per step
     staleness_mean: float | None = None
+    staleness_p95: float | None = None
     dropped_fraction: float = 0.0
     straggler_s: float = 0.0
 
@@ -95,7 +99,8 @@ def allreduce(p: Profile, st: Setup) -> Estimate:
         bw, lat = p.net_bandwidth, p.net_latency
     comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
     parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
-    step = max(sum(parts.values()), shared_floor(p, n * sum(parts.values())), loader_floor(p, st))
+    cpu = n * (sum(parts.values()) - (0.0 if p.compute_on_cores else p.compute_s))
+    step = max(sum(parts.values()), shared_floor(p, cpu), loader_floor(p, st))
     moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
     links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
     est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links)
@@ -103,33 +108,65 @@ def allreduce(p: Profile, st: Setup) -> Estimate:
     return est
 
 
-def sync_ps(p: Profile, st: Setup) -> Estimate:
-    """Synchronous PS step with equal replicas: compute, average in the node, all pushers send
-    their shards at once (each link's bytes at its bandwidth, links in parallel), each shard
-    takes in every gradient (CPU), then every shard replies to every pusher at once.
+def host_copy_s(p: Profile) -> float:
+    """A pusher on a device copying its gradient to the host (and as much back after the pull)."""
+    return p.gradient_bytes / p.host_copy_bandwidth if p.host_copy_bandwidth else 0.0
 
-    The push and pull phases last as long as their busiest link; the shards' CPU work
-    overlaps the push of later gradients, so the shard finishing last sets the apply phase:
-    its CPU time not hidden behind its own incoming transfers, plus one gradient's worth."""
+
+def sync_ps(p: Profile, st: Setup) -> Estimate:
+    """Synchronous PS step with equal replicas: compute, average in the node, copy to the host,
+    push every shard its slice; each shard sums the gradients into an accumulator as they come
+    in and applies one update once all are in; every shard replies to every pusher.
+
+    A threaded shard (ps_overlap) works while messages move: the push and pull phases last
+    as long as their busiest link, and the shard's accumulating overlaps the push of later
+    gradients, so what is left is its accumulating not hidden behind its own incoming
+    transfers (at least one gradient's), then the update. A one-thread shard moves every
+    message itself (serial_shard_s)."""
     n_push = st.pushers
     out_b, in_b = _phase_bytes(st)
-    push = max((b / p.net_bandwidth for b in (*out_b.values(), *in_b.values())), default=0.0)
-    local = max((s / p.local_bandwidth for k, s in enumerate(st.shard_bytes) if _has_local(st, k)), default=0.0)
-    lat = p.net_latency if push else 0.0
-    apply_k = [n_push * s / p.ps_apply_rate for s in st.shard_bytes]
-    incoming_k = [_remote_pushers(st, k) * s / p.net_bandwidth for k, s in enumerate(st.shard_bytes)]
-    cpu_tail = max(max(a - i, a / n_push) for a, i in zip(apply_k, incoming_k))
-    parts = {"compute": p.compute_s, "intra-node": intra_average_s(p, st) + intra_broadcast_s(p, st),
-             "network": 2 * (max(push, local) + lat), "PS CPU": cpu_tail}
+    acc_k = [n_push * s / p.ps_accumulate_rate for s in st.shard_bytes]
+    apply_k = [s / p.ps_apply_rate for s in st.shard_bytes]
+    intra = intra_average_s(p, st) + intra_broadcast_s(p, st)
+    parts = {"compute": p.compute_s, "intra-node": intra, "host copies": 2 * host_copy_s(p)}
+    if p.ps_overlap:
+        push = max((b / p.net_bandwidth for b in (*out_b.values(), *in_b.values())), default=0.0)
+        local = max((s / p.local_bandwidth for k, s in enumerate(st.shard_bytes) if _has_local(st, k)), default=0.0)
+        lat = p.net_latency if push else 0.0
+        incoming_k = [_remote_pushers(st, k) * s / p.net_bandwidth for k, s in enumerate(st.shard_bytes)]
+        parts["network"] = 2 * (max(push, local) + lat)
+        parts["PS CPU"] = max(max(a - i, a / n_push) + u for a, i, u in zip(acc_k, incoming_k, apply_k))
+        ps_busy = [a + u for a, u in zip(acc_k, apply_k)]
+    else:
+        ahead = sum(parts.values())
+        rounds = [serial_shard_s(p, st, k, ahead) for k in range(len(st.shard_bytes))]
+        worst = max(range(len(rounds)), key=lambda k: rounds[k][0])
+        parts["PS (one thread)"] = rounds[worst][0] - ahead
+        ps_busy = [busy for _, busy in rounds]
     moved = 2 * n_push * sum(st.shard_bytes)  # every gradient and every reply, copied once each
-    cpu = st.nodes * st.replicas * (p.compute_s + parts["intra-node"]) + sum(apply_k) + moved / p.local_bandwidth
+    cpu = st.nodes * st.replicas * (p.compute_s * p.compute_on_cores + intra) + sum(acc_k) + sum(apply_k) + \
+        moved / p.local_bandwidth
     step = max(sum(parts.values()), shared_floor(p, cpu), loader_floor(p, st))
     # A node's link sends its pushes and its PS's replies, and receives as much.
     links = {f"node {a + 1}": out_b.get(a, 0.0) + in_b.get(a, 0.0) for a in sorted({*out_b, *in_b})}
     est = Estimate(step, st.nodes * st.replicas * p.batch_per_replica, parts, link_bytes=links,
-                   ps_cpu_util=max(apply_k) / step, staleness_mean=0.0)
+                   ps_cpu_util=max(ps_busy) / step, staleness_mean=0.0, staleness_p95=0.0)
     est.link_util = max(links.values(), default=0.0) / p.net_bandwidth / step
     return est
+
+
+def serial_shard_s(p: Profile, st: Setup, k: int, ahead: float) -> tuple[float, float]:
+    """(The round of one-thread shard k, its busy seconds in it) with pushers that spend `ahead`
+    seconds between its reply and their next gradient. The shard takes each gradient in
+    (moving it, then adding it up), applies, then sends each reply in turn; the pusher it
+    answers first computes meanwhile, so a round is its reply, `ahead`, every gradient in and
+    the update, unless the replies alone take longer than the first one and `ahead`."""
+    s = st.shard_bytes[k]
+    move = [s / p.local_bandwidth + (p.net_latency if st.pusher_node(i) != st.ps_nodes[k] else 0.0)
+            if st.pusher_node(i) == st.ps_nodes[k] or p.shared_cores else s / p.net_bandwidth + p.net_latency
+            for i in range(st.pushers)]
+    takes = sum(move) + st.pushers * s / p.ps_accumulate_rate + s / p.ps_apply_rate
+    return takes + max(move[0] + ahead, sum(move)), takes + sum(move)
 
 
 def _remote_pushers(st: Setup, k: int) -> int:

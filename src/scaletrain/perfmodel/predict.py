@@ -1,8 +1,10 @@
 """Predicted figures of a configuration: throughput, speedup, efficiency, where time goes.
 
-Synchronous paths with equal replicas use the closed forms (costs.py);
-asynchronous shards, backups and uneven speeds use the event simulation
-(simulate.py). Speedup and efficiency are figures.py's, as for a bench:
+All-reduce uses the closed form (costs.py); every parameter-server
+configuration uses the event simulation (simulate.py): shards that share
+links, one-thread shards whose replies overlap the first pushers' next
+compute, asynchronous shards, backups and uneven speeds are beyond a closed
+form. Speedup and efficiency are figures.py's, as for a bench:
 throughput over that of one node with no distribution (figures.BASELINE: the
 same replicas per node, averaging inside the node only), and speedup over
 the nodes used, dedicated PS nodes included.
@@ -52,10 +54,8 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
         est.straggler_s = slowest - p.compute_s
         est.parts["compute"] = p.compute_s
         return est, "closed form"
-    closed = costs.sync_ps(p, st)
+    closed = costs.sync_ps(p, st)  # the one-shard synchronous round; several shards share links
     uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)
-    if st.sync and not uneven and st.wait_for == st.pushers:
-        return closed, "closed form"
     sim = simulate(p, st, spread=spread, seed=seed, cycle_hint=closed.step_s)
     even = sim if not uneven else simulate(p, replace(st, slow_node=-1), seed=seed, cycle_hint=closed.step_s)
     images = st.nodes * st.replicas * p.batch_per_replica
@@ -64,7 +64,7 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
         parts={"compute": p.compute_s, "intra-node": sim.intra_s,
                "communication": max(0.0, sim.step_s - sim.compute_s - sim.intra_s)},
         ps_cpu_util=sim.ps_cpu_util, link_util=sim.link_util, link_bytes=sim.link_bytes,
-        staleness_mean=sim.staleness_mean, dropped_fraction=sim.dropped_fraction,
+        staleness_mean=sim.staleness_mean, staleness_p95=sim.staleness_p95, dropped_fraction=sim.dropped_fraction,
         straggler_s=max(0.0, sim.step_s - even.step_s) if uneven else 0.0)
     return est, "simulation"
 
@@ -103,7 +103,8 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
             "efficiency": scaled["efficiency"], "baseline_images_per_sec": base.images_per_sec,
             "parts_s": est.parts, "link_bytes_per_step": est.link_bytes, "ps_cpu_util": est.ps_cpu_util,
             "link_util": est.link_util, "busy": share, "bottleneck": name,
-            "staleness_mean": est.staleness_mean, "dropped_fraction": est.dropped_fraction, "method": method}
+            "staleness_mean": est.staleness_mean, "staleness_p95": est.staleness_p95,
+            "dropped_fraction": est.dropped_fraction, "method": method}
 
 
 def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:

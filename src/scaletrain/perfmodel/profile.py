@@ -32,6 +32,9 @@ class Profile:
     replicas_per_node: int = opt(1, "replicas (GPUs, or CPU slots) one node offers", lo=1, hi=1024)
     compute_s: float = opt(1.0, "seconds of forward + backward of one replica's batch", lo=1e-7, hi=1e5)
     optimizer_s: float = opt(0.0, "seconds of one optimizer step on a replica's device (all-reduce)", lo=0.0, hi=1e5)
+    host_copy_bandwidth: float = opt(0.0, "bytes/s between a replica's device and its host: a PS pusher copies the "
+                                     "gradient out and the new values back (0: the replica computes on the host)",
+                                     lo=0.0, hi=1e15)
     intra_bandwidth: float = opt(1e10, "bytes/s between the replicas of a node (gradient averaging)", lo=1.0, hi=1e15)
     intra_latency: float = opt(1e-5, "seconds per message between the replicas of a node", lo=0.0, hi=10.0)
     # network
@@ -40,14 +43,20 @@ class Profile:
     local_bandwidth: float = opt(1e10, "bytes/s between two processes of one node (a PS alongside a worker)",
                                  lo=1.0, hi=1e15)
     # parameter server
-    ps_apply_rate: float = opt(1e9, "gradient bytes/s one PS process takes in and applies (CPU work)",
-                               lo=1.0, hi=1e15)
+    ps_apply_rate: float = opt(1e9, "gradient bytes/s a PS's optimizer update runs at: once per version when "
+                               "synchronous, once per gradient when asynchronous (CPU work)", lo=1.0, hi=1e15)
+    ps_accumulate_rate: float = opt(1e10, "gradient bytes/s a synchronous PS adds into its accumulator, once per "
+                                    "gradient (CPU work)", lo=1.0, hi=1e15)
+    ps_overlap: bool = opt(False, "false: one thread per PS receives, works and replies in turn (scaletrain's "
+                           "server); true: messages move while it works (a threaded server, e.g. TensorFlow's)")
     # input pipeline: its own table, as it belongs to the data set's files and the node's CPU at once
     input_rate: float = opt(0.0, "images/s one loader core reads, decodes and augments to image_size "
                             "(0: input not modelled)", lo=0.0, hi=1e7)
     # host
     shared_cores: int = opt(0, "0: nodes are separate machines; C: every process of every node shares the "
                             "C CPU cores of one host (the local launcher)", lo=0, hi=100_000)
+    compute_on_cores: bool = opt(True, "on a shared host: whether a replica's compute holds one of its cores (false: "
+                                 "it runs elsewhere, a device, or is emulated by train.emulate_compute_s)")
 
     def describe(self) -> str:
         return (f"{self.model}, {self.image_size} px, batch {self.batch_per_replica} per replica; "
@@ -80,11 +89,12 @@ def load_profile(path: str | Path) -> tuple[Profile, dict]:
 
 
 SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_bytes", "dataset_images", "epochs"),
-            "node": ("replicas_per_node", "compute_s", "optimizer_s", "intra_bandwidth", "intra_latency"),
+            "node": ("replicas_per_node", "compute_s", "optimizer_s", "host_copy_bandwidth", "intra_bandwidth",
+                     "intra_latency"),
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
-            "ps": ("ps_apply_rate",),
+            "ps": ("ps_apply_rate", "ps_accumulate_rate", "ps_overlap"),
             "input": ("input_rate",),
-            "host": ("shared_cores",)}
+            "host": ("shared_cores", "compute_on_cores")}
 
 
 def dump_profile(profile: Profile, about: dict) -> str:

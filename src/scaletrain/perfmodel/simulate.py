@@ -16,14 +16,21 @@ gradients) and uneven replica speeds (stragglers).
   incoming link for bytes / net_bandwidth (links taken in that order, so two
   transfers never wait on each other in a cycle), then latency passes.
   Between processes of one node it takes bytes / local_bandwidth, no link.
-- A shard serves gradients one at a time in arrival order: bytes /
-  ps_apply_rate of CPU each. Async: applied at once, the sender gets the new
-  version. Sync: kept until `wait_for` gradients of the current version are
-  in, then all contributors get the new version; a gradient of an older
-  version is dropped and its sender gets the current values.
-- On a shared host every piece of work (compute, averaging, copies, a
-  shard's CPU) holds one of the host's cores while it runs; background
-  loaders hold none (see costs.shared_floor).
+- A shard serves messages one at a time in arrival order. Async: a gradient
+  costs bytes / ps_apply_rate of CPU, is applied at once, and the sender gets
+  the new version. Sync: a gradient of the current version costs bytes /
+  ps_accumulate_rate (summed into the accumulator); once `wait_for` are in,
+  one update (bytes / ps_apply_rate) and all contributors get the new
+  version; a gradient of an older version is dropped and its sender gets the
+  current values. A one-thread shard (ps_overlap false, scaletrain's server)
+  also moves every message itself: it receives a gradient only when it is
+  free, and sends its replies one after another; a threaded one (true) works
+  while the messages move.
+- A pusher on a device (host_copy_bandwidth) copies its gradient to the host
+  before pushing and the values back after the pull.
+- On a shared host every piece of work (compute unless compute_on_cores is
+  false, averaging, copies, a shard's CPU) holds one of the host's cores
+  while it runs; background loaders hold none (see costs.shared_floor).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from .costs import intra_average_s, intra_broadcast_s, loader_floor
+from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor
 from .profile import Profile
 from .setup import Setup
 
@@ -47,6 +54,7 @@ class SimResult:
     compute_s: float                 # mean seconds a pusher's replicas compute (or wait for data) per step
     intra_s: float                   # seconds per step averaging and sharing inside the node
     staleness_mean: float
+    staleness_p95: float             # 95th percentile of the applied gradients' staleness
     dropped_fraction: float          # gradients dropped (too late) over gradients sent
     ps_cpu_util: float               # busiest shard's CPU busy fraction
     link_util: float                 # busiest network link's busy fraction
@@ -82,6 +90,13 @@ class _Sim:
             yield self.env.timeout(seconds)
             self.busy["host", "cores"] += seconds
 
+    def compute(self, seconds: float):
+        """A replica's forward and backward: CPU work, unless it runs elsewhere (compute_on_cores)."""
+        if self.p.compute_on_cores:
+            yield from self.work(seconds)
+        else:
+            yield self.env.timeout(seconds)
+
     def on_node(self, seconds: float, processes: int):
         """The same work done by `processes` processes of one node at once."""
         if self.cores is None or processes == 1:
@@ -112,6 +127,7 @@ class _Sim:
         intra = intra_average_s(p, st) if st.per_node else 0.0
         share = intra_broadcast_s(p, st) if st.per_node else 0.0
         feed, ready = loader_floor(p, st), 0.0
+        copy = host_copy_s(p)
         while True:
             slow = st.slow_delay_s if node == st.slow_node else 0.0
             times = [p.compute_s * self.factor() + slow for _ in range(reps)]
@@ -119,49 +135,73 @@ class _Sim:
             if env.now < ready:  # the loaders have not filled the next batch yet
                 yield env.timeout(ready - env.now)
             ready = env.now + feed
-            yield env.all_of([env.process(self.work(t)) for t in times])
+            yield env.all_of([env.process(self.compute(t)) for t in times])
             self.computing += env.now - t0
+            if copy:  # the gradient from the device to the host
+                yield env.timeout(copy)
             if intra:
                 yield from self.on_node(intra, reps)
             pushes = [env.process(self.push(node, k, seen[k])) for k in range(len(seen))]
             got = yield env.all_of(pushes)
             seen = [got[e] for e in pushes]
+            if copy:  # the new values back to the device
+                yield env.timeout(copy)
             if share:
                 yield from self.on_node(share, reps)
             self.done.append((env.now, reps * p.batch_per_replica))
 
     def push(self, node: int, k: int, version: int):
-        nbytes, ps = self.st.shard_bytes[k], self.st.ps_nodes[k]
+        """One shard's part of a push-pull: the gradient's slice in, the shard's values back."""
+        nbytes, ps, reply = self.st.shard_bytes[k], self.st.ps_nodes[k], self.env.event()
+        if not self.p.ps_overlap:  # the shard's one thread moves both messages (shard())
+            self.queues[k].put((version, reply, node))
+            return (yield reply)
         yield from self.transfer(node, ps, nbytes)
-        reply = self.env.event()
-        self.queues[k].put((version, reply))
+        self.queues[k].put((version, reply, node))
         new = yield reply
         yield from self.transfer(ps, node, nbytes)
         return new
 
     def shard(self, k: int):
-        st, seconds = self.st, self.st.shard_bytes[k] / self.p.ps_apply_rate
+        """Messages in arrival order. A one-thread shard (not ps_overlap) receives each gradient,
+        works, and sends each reply itself, so its transfers count as its busy time."""
+        st, p, env = self.st, self.p, self.env
+        nbytes, ps, serial = st.shard_bytes[k], st.ps_nodes[k], not p.ps_overlap
         pending: list = []
+
+        def busy(moves):  # the shard's thread at work: a transfer or CPU work
+            t0 = env.now
+            yield from moves
+            self.busy["ps", k] += env.now - t0
+
+        def answer(replies):
+            for reply, node in replies:
+                if serial:
+                    yield from busy(self.transfer(ps, node, nbytes))
+                reply.succeed(self.version[k])
+
         while True:
-            version, reply = yield self.queues[k].get()
+            version, reply, node = yield self.queues[k].get()
+            if serial:
+                yield from busy(self.transfer(node, ps, nbytes))
             self.sent += 1
-            yield from self.work(seconds)
-            self.busy["ps", k] += seconds
             if not st.sync:
+                yield from busy(self.work(nbytes / p.ps_apply_rate))
                 self.stale.append(self.version[k] - version)
                 self.version[k] += 1
-                reply.succeed(self.version[k])
-            elif version == self.version[k]:
-                pending.append(reply)
+                yield from answer([(reply, node)])
+            elif version == self.version[k]:  # summed into the accumulator; applied once all are in
+                yield from busy(self.work(nbytes / p.ps_accumulate_rate))
+                pending.append((reply, node))
                 if len(pending) >= st.wait_for:
+                    yield from busy(self.work(nbytes / p.ps_apply_rate))
                     self.version[k] += 1
                     self.stale += [0] * len(pending)
-                    for r in pending:
-                        r.succeed(self.version[k])
-                    pending = []
+                    done, pending = pending, []
+                    yield from answer(done)
             else:  # computed on a version already applied: too late
                 self.dropped += 1
-                reply.succeed(self.version[k])
+                yield from answer([(reply, node)])
 
 
 def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle_hint: float = 1.0,
@@ -189,6 +229,7 @@ def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle
         compute_s=sim.computing / len(sim.done),
         intra_s=(intra_average_s(p, st) + intra_broadcast_s(p, st)) if st.per_node else 0.0,
         staleness_mean=sum(sim.stale) / len(sim.stale) if sim.stale else 0.0,
+        staleness_p95=float(sorted(sim.stale)[math.ceil(0.95 * len(sim.stale)) - 1]) if sim.stale else 0.0,
         dropped_fraction=sim.dropped / sim.sent if sim.sent else 0.0,
         ps_cpu_util=max((sim.busy["ps", k] / horizon for k in range(len(st.shard_bytes))), default=0.0),
         link_util=max((v / horizon for key, v in sim.busy.items() if key[1] in ("out", "in")), default=0.0),
