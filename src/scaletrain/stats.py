@@ -107,6 +107,7 @@ def summarize(rows: list[dict], nodes: int) -> dict:
             "staleness_hist": hist.tolist()[: max(1, int(max(r["stale_max"] for r in ps)) + 1)],
             # every shard sees every push: the shard that dropped most counts the node gradients lost
             "dropped_gradients": int(max(r["dropped"] for r in ps)),
+            "dropped_fraction": max(float(r["dropped"] / max(1, r["dropped"] + r["stale_count"].sum())) for r in ps),
             "shard_bytes": {"max": max(sizes), "mean": sum(sizes) / len(sizes),
                             "max_over_mean": max(sizes) * len(sizes) / sum(sizes)},
             # PS traffic (both directions) of one node in one of its steps (pushers step at their own pace)

@@ -4,6 +4,8 @@
   evaluation), its optimizer step measured apart and subtracted;
 - optimizer: the recipe's optimizer stepping over a flat gradient of the
   model's size, one thread: the per-replica step and a PS's apply rate;
+- accumulate: one gradient added into a sum, one thread: a synchronous PS's
+  work per gradient;
 - point-to-point: two processes (torch.distributed, gloo) sending messages of
   4 bytes and of one gradient back and forth: latency and bandwidth;
 - all-reduce: N processes all-reducing the same two sizes; the ring formula
@@ -14,6 +16,10 @@
   step less compute and optimizer is its communication under load; the
   latencies are multiplied and the bandwidths divided by its ratio to the
   microbenchmark's all-reduce (never below 1).
+
+Each figure is the median of several runs (separate jobs and process pairs):
+loopback timings on a loaded host move between runs, and one run would decide
+the profile. The profile's [about] table records each figure's spread.
 
 Without a GPU every process of a local job shares this host's cores
 (shared_cores = the core count) and nodes talk through loopback, so the
@@ -30,6 +36,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,33 +133,71 @@ def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> tuple[fl
     return replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 
-def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple[Profile, dict]:
+def measure_accumulate(numel: int) -> float:
+    """Seconds of adding one gradient of `numel` floats into an accumulator (a synchronous
+    shard's work per gradient), one thread."""
+    torch.set_num_threads(1)
+    acc, grad = torch.zeros(numel), torch.randn(numel)
+    return _timed(lambda: acc.add_(grad), 10)
+
+
+def repeated(measure, runs: int) -> tuple[Any, dict[str, float]]:
+    """Call measure() `runs` times; each returns a dict of figures. Returns the median of
+    each figure and its spread: (max - min) / median across the runs."""
+    results = [measure() for _ in range(runs)]
+    median = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    spread = {k: (max(r[k] for r in results) - min(r[k] for r in results)) / median[k] if median[k] else 0.0
+              for k in median}
+    return median, spread
+
+
+def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print) -> tuple[Profile, dict]:
+    """Every figure is measured in `runs` separate runs (jobs and process pairs started
+    afresh); the profile holds the medians and its [about] table each figure's spread."""
     from .setup import param_numels
+    from ..train import pick_device
 
     numel = sum(param_numels(cfg.model))
     nbytes = 4 * numel
-    say(f"calibrate: {cfg.model.name}, {numel:,} parameters ({nbytes / 1e6:.2f} MB of gradient)")
-    opt_s = measure_optimizer(cfg, numel)
-    say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient)")
-    from ..train import pick_device
-
-    step_s, device = measure_job(cfg, 1, warmup, steps)
     gpu = pick_device(cfg).type == "cuda"
-    compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
-    say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
-    p2p = measure_comm(2, numel)
-    lat, bw = alpha_beta(p2p[f"p2p_{SMALL}"], p2p[f"p2p_{numel}"], nbytes)
-    say(f"  point-to-point (gloo, loopback): latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
     cores = os.cpu_count() or 1
     n = max(2, min(4, torch.cuda.device_count() if gpu else cores))
-    ar = measure_comm(n, numel, "nccl" if gpu and n <= torch.cuda.device_count() else "gloo")
+    backend = "nccl" if gpu and n <= torch.cuda.device_count() else "gloo"
+    say(f"calibrate: {cfg.model.name}, {numel:,} parameters ({nbytes / 1e6:.2f} MB of gradient), "
+        f"each figure the median of {runs} runs")
+    spreads: dict[str, float] = {}
+
+    def kept(name: str, measure) -> dict[str, float]:
+        median, spread = repeated(measure, runs)
+        spreads.update({f"{name}.{k}": round(v, 4) for k, v in spread.items()})
+        return median
+
+    cpu = kept("cpu", lambda: {"optimizer_s": measure_optimizer(cfg, numel), "accumulate_s": measure_accumulate(numel)})
+    opt_s = cpu["optimizer_s"]
+    say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient); "
+        f"accumulate: {cpu['accumulate_s'] * 1e3:.2f} ms ({nbytes / cpu['accumulate_s'] / 1e9:.2f} GB/s)")
+    device = "cpu"
+
+    def one_replica() -> dict[str, float]:
+        nonlocal device
+        seconds, device = measure_job(cfg, 1, warmup, steps)
+        return {"step_s": seconds}
+
+    step_s = kept("job1", one_replica)["step_s"]
+    compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
+    say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
+    p2p = kept("p2p", lambda: measure_comm(2, numel))
+    lat, bw = alpha_beta(p2p[f"p2p_{SMALL}"], p2p[f"p2p_{numel}"], nbytes)
+    say(f"  point-to-point (gloo, loopback): latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
+    ar = p2p if n == 2 and backend == "gloo" else kept("allreduce", lambda: measure_comm(n, numel, backend))
     ilat, ibw = ring_alpha_beta(n, ar[f"ar_{SMALL}"], ar[f"ar_{numel}"], nbytes)
     say(f"  all-reduce over {n}: {ar[f'ar_{numel}'] * 1e3:.2f} ms; latency {ilat * 1e6:.0f} us, "
         f"{ibw / 1e9:.2f} GB/s")
+    emulated = cfg.train.emulate_compute_s > 0
     if not gpu:
         from .costs import ring_allreduce_s
 
-        job_s, _ = measure_job(cfg, 2, warmup, steps)
+        job_s = kept("job2", lambda: {"step_s": measure_job(cfg, 2, warmup, steps)[0]})["step_s"]
         alone = ring_allreduce_s(2, nbytes, ibw, ilat)
         load = max(1.0, (job_s - compute_s - opt_s) / alone)
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")
@@ -161,8 +206,11 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple
                    gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
                    compute_s=compute_s, optimizer_s=0.0 if gpu else opt_s,
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
-                   local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, shared_cores=0 if gpu else cores)
+                   local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, ps_accumulate_rate=nbytes / cpu["accumulate_s"],
+                   ps_overlap=False, shared_cores=0 if gpu else cores, compute_on_cores=not (gpu or emulated))
     about = {"source": f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
-             "device": device, "torch": torch.__version__, "cores": cores,
-             "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")}
+             "device": device, "torch": torch.__version__, "cores": cores, "runs": runs,
+             "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")
+             + (f"; compute emulated: train.emulate_compute_s = {cfg.train.emulate_compute_s}" if emulated else ""),
+             "spread": spreads}
     return prof, about

@@ -42,6 +42,8 @@ def add_parsers(sub) -> None:
     ca.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ca.add_argument("--out", type=Path, default=Path("profiles/local.toml"))
     ca.add_argument("--steps", type=int, default=30, help="measured training steps (default 30)")
+    ca.add_argument("--runs", type=int, default=3, help="runs of each measurement; the profile holds the medians "
+                    "(default 3)")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -58,7 +60,9 @@ def calibrate_main(args) -> int:
         return _fail(f"config error: {e}")
 
     try:
-        prof, about = calibrate(cfg, steps=args.steps)
+        if args.runs < 1 or args.steps < 1:
+            return _fail(f"--runs {args.runs} / --steps {args.steps}: must be >= 1")
+        prof, about = calibrate(cfg, steps=args.steps, runs=args.runs)
     except (PlanError, LaunchError, *USER_ERRORS) as e:  # a calibration job that could not run
         return _fail(str(e), 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +162,8 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
                         "rel_error": pred["images_per_sec"] / measured - 1, "bottleneck": pred["bottleneck"],
                         "measured_speedup": row["speedup"], "measured_speedup_stderr": row["speedup_stderr"],
                         "predicted_speedup": pred["speedup"],
+                        **{f"{k}_{side}": src.get(k) for k in ("staleness_mean", "staleness_p95", "dropped_fraction")
+                           for side, src in (("measured", row), ("predicted", pred))},
                         "method": pred["method"], "bench_dir": str(d)})
     return out
 
@@ -165,15 +171,27 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
 def validate_table(rows: list[dict[str, Any]]) -> str:
     from ..figures import setup
 
+    def pair(r: dict[str, Any], key: str, fmt: str) -> str:
+        m, p = r.get(f"{key}_measured"), r.get(f"{key}_predicted")
+        return "-" if m is None and p is None else \
+            " / ".join("-" if v is None else format(v, fmt) for v in (m, p))
+
     lines = ["| Setup | Measured (img/s) | Predicted (img/s) | Error | Speedup measured | Speedup predicted | "
-             "Bottleneck (predicted) |", "|---|---|---|---|---|---|---|"]
+             "Staleness mean | Staleness p95 | Dropped | Bottleneck (predicted) |", "|---" * 10 + "|"]
     for r in rows:
         measured = "-" if r.get("measured_speedup") is None else \
             f"{r['measured_speedup']:.2f} ± {r['measured_speedup_stderr']:.2f}"
         predicted = "-" if r.get("predicted_speedup") is None else f"{r['predicted_speedup']:.2f}"
         lines.append(f"| {setup(r)} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['rel_error']:+.1%} | "
-                     f"{measured} | {predicted} | {r['bottleneck']} |")
+                     f"{measured} | {predicted} | {pair(r, 'staleness_mean', '.2f')} | "
+                     f"{pair(r, 'staleness_p95', '.0f')} | {pair(r, 'dropped_fraction', '.1%')} | {r['bottleneck']} |")
     return "\n".join(lines)
+
+
+def staleness_errors(rows: list[dict[str, Any]]) -> list[float]:
+    """Relative error of the predicted mean staleness, over the rows where gradients were stale."""
+    return [r["staleness_mean_predicted"] / r["staleness_mean_measured"] - 1 for r in rows
+            if r.get("staleness_mean_measured") and r.get("staleness_mean_predicted") is not None]
 
 
 def validate_main(args, prof) -> int:
@@ -184,14 +202,19 @@ def validate_main(args, prof) -> int:
     if not rows:
         return _fail("no measured rows in " + ", ".join(map(str, args.validate)))
     median = statistics.median(abs(r["rel_error"]) for r in rows)
+    stale = staleness_errors(rows)
+    stale_median = statistics.median(abs(e) for e in stale) if stale else None
     out = args.out or args.validate[0]
     out.mkdir(parents=True, exist_ok=True)
-    text = validate_table(rows) + f"\n\nMedian absolute error over {len(rows)} configurations: {median:.1%}\n"
+    text = validate_table(rows) + "\n\nStaleness, p95 and dropped gradients: measured / predicted.\n" + \
+        f"Median absolute throughput error over {len(rows)} configurations: {median:.1%}\n" + \
+        ("" if stale_median is None else
+         f"Median absolute error of the mean staleness over {len(stale)} with stale gradients: {stale_median:.1%}\n")
+    summary = {"median_abs_error": median, "staleness_median_abs_error": stale_median, "rows": rows}
     (out / "validate.md").write_text(text)
-    (out / "validate-rows.json").write_text(json.dumps(
-        {"profile": str(args.profile), "median_abs_error": median, "rows": rows}, indent=1) + "\n")
+    (out / "validate-rows.json").write_text(json.dumps({"profile": str(args.profile), **summary}, indent=1) + "\n")
     if args.format == "json":
-        print(json.dumps({"median_abs_error": median, "rows": rows}, indent=1))
+        print(json.dumps(summary, indent=1))
     else:
         print(text, end="")
     print(f"wrote {out / 'validate.md'} and {out / 'validate-rows.json'}", file=sys.stderr)

@@ -124,12 +124,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     trained = any("train_hours" in r for r in rows)
     extra = (" Epoch (h) |" if timed else "") + (" Training time (h) |" if trained else "")
     lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step (ms) | Bottleneck | PS CPU | "
-             "Busiest link | Staleness | Method |" + extra, "|---" * (10 + timed + trained) + "|"]
+             "Busiest link | Staleness mean / p95 | Method |" + extra, "|---" * (10 + timed + trained) + "|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['label']} | not predicted: {r['error']} |" + " |" * (8 + timed + trained))
             continue
-        stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f}"
+        stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f} / {r['staleness_p95']:.0f}" + \
+            (f", drops {r['dropped_fraction']:.0%}" if r["dropped_fraction"] else "")
         lines.append(f"| {figures.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
                      f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
                      f"{r['link_util']:.2f} | {stale} | {r['method']} |"
