@@ -233,7 +233,7 @@ def test_errors_name_the_file_and_key(tmp_path):
     bad.write_text("[workload]\nmodel='resnet8'\ngradient_bytes=-1\n[node]\ncompute_s=1.0\n")
     with pytest.raises(ProfileError, match=r"workload.gradient_bytes = -1: out of range"):
         load_profile(bad)
-    with pytest.raises(ModelError, match="measured for resnet50, 224 px, batch 32"):
+    with pytest.raises(ModelError, match="measured for resnet50, 224 px; the recipe trains resnet8, 16 px"):
         check_workload(cfg_of(), load_profile(ROOT / "profiles/study-k80.toml")[0], "study-k80.toml")
     with pytest.raises(ModelError, match="offer 4 replicas"):
         make_setup(cfg_of(gpus=8), TOY)
