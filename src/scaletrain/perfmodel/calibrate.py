@@ -126,6 +126,18 @@ def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> tuple[fl
     return replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 
+def batch_line(b_ref: int, y_ref: float, b_other: int, y_other: float) -> tuple[float, float]:
+    """The part of y (step seconds, device bytes) that does not grow with the batch, and the part
+    per image, from y measured at two batches: the line through the two points, its intercept
+    within [0, y_ref). Where y does not grow with the batch (noise), all of y_ref is taken as
+    proportional: (0, y_ref / b_ref), the form that promises no gain from larger batches."""
+    slope = (y_ref - y_other) / (b_ref - b_other)
+    if slope <= 0:
+        return 0.0, y_ref / b_ref
+    base = min(max(0.0, y_ref - slope * b_ref), y_ref)
+    return base, (y_ref - base) / b_ref
+
+
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple[Profile, dict]:
     from .setup import param_numels
 
@@ -140,6 +152,14 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple
     gpu = pick_device(cfg).type == "cuda"
     compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
     say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
+    # A second batch (half the recipe's, or 2 for a batch of 1) gives the part of compute that does
+    # not grow with the batch; the optimizer step, in both, does not move the slope.
+    b_ref = cfg.data.batch_size
+    b_other = b_ref // 2 if b_ref > 1 else 2
+    other_s, _ = measure_job(cfg.replace(**{"data.batch_size": b_other}), 1, warmup, steps)
+    compute_base, _ = batch_line(b_ref, compute_s, b_other, max(other_s - (0.0 if gpu else opt_s), 1e-6))
+    say(f"  at batch {b_other}: {other_s * 1e3:.2f} ms; {compute_base * 1e3:.2f} ms of compute do not "
+        f"grow with the batch")
     p2p = measure_comm(2, numel)
     lat, bw = alpha_beta(p2p[f"p2p_{SMALL}"], p2p[f"p2p_{numel}"], nbytes)
     say(f"  point-to-point (gloo, loopback): latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
@@ -159,7 +179,11 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, say=print) -> tuple
         ilat, ibw, lat, bw = ilat * load, ibw / load, lat * load, bw / load
     prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
-                   compute_s=compute_s, optimizer_s=0.0 if gpu else opt_s,
+                   compute_s=compute_s, compute_base_s=min(compute_base, 0.999 * compute_s),
+                   # Device memory is left unlimited (0) and unmeasured: on CPU the batch shares
+                   # the host's RAM with everything else, no fixed device limit; on a GPU set
+                   # device_memory, memory_base and memory_per_image by hand (nvidia-smi at two batches).
+                   optimizer_s=0.0 if gpu else opt_s,
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
                    local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, shared_cores=0 if gpu else cores)
     about = {"source": f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
