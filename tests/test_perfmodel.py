@@ -14,8 +14,8 @@ import pytest
 from scaletrain.config import load_config
 from scaletrain.perfmodel import costs
 from scaletrain.perfmodel.predict import estimate, predict
-from scaletrain.perfmodel.profile import Profile, ProfileError, dump_profile, load_profile
-from scaletrain.perfmodel.recommend import recommend
+from scaletrain.perfmodel.profile import Profile, ProfileError, at_batch, dump_profile, largest_batch, load_profile
+from scaletrain.perfmodel.recommend import batch_candidates, recommend
 from scaletrain.perfmodel.setup import ModelError, check_workload, make_setup
 from scaletrain.perfmodel.simulate import simulate
 
@@ -276,10 +276,130 @@ def test_errors_name_the_file_and_key(tmp_path):
     bad.write_text("[workload]\nmodel='resnet8'\ngradient_bytes=-1\n[node]\ncompute_s=1.0\n")
     with pytest.raises(ProfileError, match=r"workload.gradient_bytes = -1: out of range"):
         load_profile(bad)
-    with pytest.raises(ModelError, match="measured for resnet50, 224 px, batch 32"):
+    with pytest.raises(ModelError, match="measured for resnet50, 224 px; the recipe trains resnet8, 16 px"):
         check_workload(cfg_of(), load_profile(ROOT / "profiles/study-k80.toml")[0], "study-k80.toml")
     with pytest.raises(ModelError, match="offer 4 replicas"):
         make_setup(cfg_of(gpus=8), TOY)
+
+
+# --- batch per replica -------------------------------------------------------------------------
+
+GB = 1_000_000_000
+MEM = dict(device_memory=8 * GB, memory_base=GB, memory_per_image=GB // 10)  # holds up to 70 images
+
+
+def test_at_batch_is_the_stated_linear_form():
+    p = replace(TOY, compute_base_s=0.2)  # 1.0 s at 32 images, 0.2 s of it fixed: 0.025 s an image
+    assert at_batch(p, 32) is p
+    for b, seconds in ((64, 1.8), (16, 0.6), (1, 0.225)):
+        q = at_batch(p, b)
+        assert (q.batch_per_replica, q.compute_s) == (b, pytest.approx(seconds))
+        assert replace(q, batch_per_replica=32, compute_s=1.0) == p  # nothing else moves
+    assert at_batch(TOY, 64).compute_s == pytest.approx(2.0)  # compute_base_s 0: proportional
+
+
+def test_a_batch_that_does_not_fit_is_a_one_line_error_naming_device_memory(tmp_path):
+    p = replace(TOY, **MEM)
+    assert largest_batch(p) == 70 and largest_batch(TOY) is None
+    assert at_batch(p, 70).batch_per_replica == 70
+    with pytest.raises(ModelError, match=r"batch 71 per replica needs 8.10 GB .* > device_memory 8.00 GB") as e:
+        at_batch(p, 71)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelError, match="device_memory"):
+        predict(cfg_of(data__batch_size=128), p)
+    assert at_batch(TOY, 100_000).compute_s == pytest.approx(100_000 / 32)  # device_memory 0: no limit
+    # a profile whose own batch does not fit, or whose fixed part is all of compute, does not load
+    bad = tmp_path / "p.toml"
+    bad.write_text(dump_profile(replace(p, batch_per_replica=71), {}))
+    with pytest.raises(ProfileError, match="p.toml: batch 71 per replica needs .* device_memory"):
+        load_profile(bad)
+    bad.write_text(dump_profile(replace(TOY, compute_base_s=1.0), {}))
+    with pytest.raises(ProfileError, match="node.compute_base_s = 1.0 must be below node.compute_s"):
+        load_profile(bad)
+
+
+def test_old_profiles_load_with_no_batch_scaling_and_the_new_keys_round_trip(tmp_path):
+    old = tmp_path / "old.toml"
+    old.write_text("[workload]\nmodel='resnet8'\ngradient_bytes=8\n[node]\ncompute_s=1.0\n")
+    p = load_profile(old)[0]
+    assert (p.compute_base_s, p.device_memory, p.memory_base, p.memory_per_image) == (0.0, 0, 0, 0)
+    new = tmp_path / "new.toml"
+    new.write_text(dump_profile(replace(TOY, compute_base_s=0.3, **MEM), {}))
+    assert load_profile(new)[0] == replace(TOY, compute_base_s=0.3, **MEM)
+
+
+def test_check_workload_takes_another_batch_and_predict_runs_at_it():
+    p = replace(TOY, compute_base_s=0.2, optimizer_s=0.0)
+    cfg = cfg_of(data__batch_size=64)
+    check_workload(cfg, p, "toy.toml")  # same network and image size: accepted
+    row = predict(cfg, p)
+    assert row["batch_per_replica"] == 64 and row["update_batch"] == 64
+    # images per update: every replica's under all-reduce, one node's under mixed-async
+    assert predict(cfg_of(nodes=2, gpus=2, data__batch_size=64), p)["update_batch"] == 256
+    assert predict(cfg_of("mixed-async", nodes=2, gpus=2, ps=1, data__batch_size=64), p)["update_batch"] == 128
+    assert row["parts_s"]["compute"] == pytest.approx(1.8) and row["images_per_sec"] == pytest.approx(64 / 1.8)
+    with pytest.raises(ModelError, match="measured for resnet8, 16 px; the recipe trains resnet8, 32 px"):
+        check_workload(cfg_of(data__image_size=32), p, "toy.toml")
+
+
+def test_batch_candidates():
+    assert batch_candidates(32, 32, None) == [32]               # the default: the recipe's only
+    assert batch_candidates(32, 256, 109) == [32, 64, 128, 256]  # unfit ones are left to the caller
+    assert batch_candidates(24, 100, None) == [24, 32, 64]
+    assert batch_candidates(32, 32, 20) == [16, 32]             # the recipe's does not fit: 16 does
+
+
+def test_recommend_chooses_the_largest_batch_that_fits_when_batches_pay():
+    # 0.9 s of each 1 s step does not grow with the batch: doubling the batch nearly doubles the
+    # throughput, until 70 images a device; 128 does not fit, so 64 is the answer at every size.
+    p = replace(TOY, compute_base_s=0.9, **MEM)
+    entries = recommend(cfg_of(), p, max_nodes=2, progress=False, batches=[16, 32, 64, 128])
+    for e in entries:
+        b = e["best"]
+        assert b["batch_per_replica"] == 64 and e["unfit"] == [128] and e["batches"] == [16, 32, 64]
+        assert all(r["batch_per_replica"] == 64 for r, _ in e["runners_up"])
+        assert "over the recipe's 32" in e["batch_reason"] and "128 needs 13.8 GB > 8.0 GB" in e["batch_reason"]
+    one = entries[0]["best"]  # one replica, all-reduce with nothing to reduce: compute and optimizer only
+    assert one["images_per_sec"] == pytest.approx(64 / (0.9 + 0.1 * 2 + 0.01))
+
+
+def test_recommend_ties_between_batches_keep_the_recipes():
+    # Compute proportional to the batch and a free network: every batch gives the same img/s;
+    # the near-tie goes to the batch nearest the recipe's (32), then to the smaller.
+    free = replace(TOY, net_latency=0.0, net_bandwidth=1e15, intra_bandwidth=1e15, intra_latency=0.0,
+                   local_bandwidth=1e15, ps_apply_rate=1e15, optimizer_s=0.0)
+    for batches, want in (([8, 16, 32, 64], 32), ([16, 64], 16), ([64, 128], 64)):
+        for e in recommend(cfg_of(), free, max_nodes=2, progress=False, batches=batches):
+            assert e["best"]["batch_per_replica"] == want, (batches, e["nodes"])
+    e = recommend(cfg_of(), free, max_nodes=1, progress=False, batches=[32, 64])[0]
+    assert e["batch_reason"] == "64 gains only +0.0%"
+
+
+def test_recommend_cli_batch_options():
+    base = ["predict", "--profile", "profiles/study-k80.toml", "--recipe", "recipes/anp-resnet50.toml",
+            "--set", "cluster.gpus_per_node=4", "--recommend", "--max-nodes", "1"]
+    r = run(*base, "--max-batch", "256")
+    assert r.returncode == 0, r.stderr
+    assert "batches per replica 32, 64 (128, 256 do not fit: the device holds up to 109)" in r.stderr
+    assert "| allreduce, 1 node (1 worker x 4 replicas) | 64 | 256 |" in r.stdout
+    r = run(*base)
+    assert "batch per replica 32, the recipe's" in r.stderr and "| 32 | 128 |" in r.stdout
+    r = run(*base, "--batches", "16,32", "--max-batch", "64")
+    assert r.returncode == 2 and "not both" in r.stderr
+    r = run(*base, "--batches", "128")
+    assert r.returncode == 2 and "no batch tried fits the device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_calibrate_batch_line():
+    from scaletrain.perfmodel.calibrate import batch_line
+
+    # 1.0 s at 32 images, 0.6 s at 16: 0.025 s an image, 0.2 s fixed
+    assert batch_line(32, 1.0, 16, 0.6) == (pytest.approx(0.2), pytest.approx(0.025))
+    assert batch_line(1, 3.0, 2, 5.0) == (pytest.approx(1.0), pytest.approx(2.0))
+    # a line through negative seconds at batch 0: all proportional
+    assert batch_line(32, 1.0, 16, 0.4) == (0.0, pytest.approx(1 / 32))
+    # the smaller batch measured slower (noise): no gain from batch size is promised
+    assert batch_line(32, 1.0, 16, 1.1) == (0.0, pytest.approx(1 / 32))
 
 
 # --- on this machine: calibrate, bench, validate, report ---------------------------------------
@@ -296,6 +416,7 @@ def test_calibrate_bench_validate_report(tmp_path):
     assert r.returncode == 0, r.stderr
     p, about = load_profile(prof)
     assert p.model == "resnet8" and p.gradient_bytes == 4 * 78042 and p.compute_s > 0 and p.shared_cores >= 1
+    assert 0 <= p.compute_base_s < p.compute_s and p.device_memory == 0
     bench = tmp_path / "bench"
     r = run("bench", "--recipe", "recipes/digits.toml", *sets, "--grid", "cluster.nodes=1,2",
             "--grid", "strategy.name+cluster.num_ps=allreduce:0,mixed-async:1", "--warmup", "3", "--steps", "12",

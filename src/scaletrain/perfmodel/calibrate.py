@@ -133,6 +133,18 @@ def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> tuple[fl
     return replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 
+def batch_line(b_ref: int, y_ref: float, b_other: int, y_other: float) -> tuple[float, float]:
+    """The part of y (step seconds, device bytes) that does not grow with the batch, and the part
+    per image, from y measured at two batches: the line through the two points, its intercept
+    within [0, y_ref). Where y does not grow with the batch (noise), all of y_ref is taken as
+    proportional: (0, y_ref / b_ref), the form that promises no gain from larger batches."""
+    slope = (y_ref - y_other) / (b_ref - b_other)
+    if slope <= 0:
+        return 0.0, y_ref / b_ref
+    base = min(max(0.0, y_ref - slope * b_ref), y_ref)
+    return base, (y_ref - base) / b_ref
+
+
 def measure_accumulate(numel: int) -> float:
     """Seconds of adding one gradient of `numel` floats into an accumulator (a synchronous
     shard's work per gradient), one thread."""
@@ -186,6 +198,18 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     step_s = kept("job1", one_replica)["step_s"]
     compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
     say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
+    emulated = cfg.train.emulate_compute_s > 0
+    compute_base = 0.0
+    if not emulated:  # an emulated step sleeps the same whatever the batch
+        # A second batch (half the recipe's, or 2 for a batch of 1) gives the part of compute that
+        # does not grow with the batch; the optimizer step, in both, does not move the slope.
+        b_ref = cfg.data.batch_size
+        b_other = b_ref // 2 if b_ref > 1 else 2
+        other_s = kept("job1_other_batch", lambda: {"step_s": measure_job(
+            cfg.replace(**{"data.batch_size": b_other}), 1, warmup, steps)[0]})["step_s"]
+        compute_base, _ = batch_line(b_ref, compute_s, b_other, max(other_s - (0.0 if gpu else opt_s), 1e-6))
+        say(f"  at batch {b_other}: {other_s * 1e3:.2f} ms; {compute_base * 1e3:.2f} ms of compute do not "
+            f"grow with the batch")
     p2p = kept("p2p", lambda: measure_comm(2, numel))
     lat, bw = alpha_beta(p2p[f"p2p_{SMALL}"], p2p[f"p2p_{numel}"], nbytes)
     say(f"  point-to-point (gloo, loopback): latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
@@ -193,7 +217,6 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     ilat, ibw = ring_alpha_beta(n, ar[f"ar_{SMALL}"], ar[f"ar_{numel}"], nbytes)
     say(f"  all-reduce over {n}: {ar[f'ar_{numel}'] * 1e3:.2f} ms; latency {ilat * 1e6:.0f} us, "
         f"{ibw / 1e9:.2f} GB/s")
-    emulated = cfg.train.emulate_compute_s > 0
     if not gpu:
         from .costs import ring_allreduce_s
 
@@ -204,7 +227,11 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         ilat, ibw, lat, bw = ilat * load, ibw / load, lat * load, bw / load
     prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
-                   compute_s=compute_s, optimizer_s=0.0 if gpu else opt_s,
+                   compute_s=compute_s, compute_base_s=min(compute_base, 0.999 * compute_s),
+                   # Device memory is left unlimited (0) and unmeasured: on CPU the batch shares
+                   # the host's RAM with everything else, no fixed device limit; on a GPU set
+                   # device_memory, memory_base and memory_per_image by hand (nvidia-smi at two batches).
+                   optimizer_s=0.0 if gpu else opt_s,
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
                    local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, ps_accumulate_rate=nbytes / cpu["accumulate_s"],
                    ps_overlap=False, shared_cores=0 if gpu else cores, compute_on_cores=not (gpu or emulated))

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import build_config, load_config
 from ..errors import USER_ERRORS, ConfigError, GridError, LaunchError, ModelError, PlanError, ProfileError
-from .profile import dump_profile, load_profile
+from .profile import dump_profile, fits, largest_batch, load_profile
 from .setup import check_workload
 
 
@@ -28,8 +28,15 @@ def add_parsers(sub) -> None:
                     "profile's dataset_images)")
     pr.add_argument("--epochs", type=float, help="epochs to train: adds hours to train (default: the profile's "
                     "epochs, else the recipe's train.epochs)")
-    pr.add_argument("--recommend", action="store_true", help="best strategy, PS count and placement per node count")
+    pr.add_argument("--recommend", action="store_true",
+                    help="best strategy, PS count, placement and batch per replica per node count")
     pr.add_argument("--max-nodes", type=int, default=16)
+    pr.add_argument("--max-batch", type=int, help="--recommend: also try the powers of two above the recipe's "
+                    "data.batch_size up to this many images per replica, those that fit the device (default: "
+                    "the recipe's batch only, as a larger one grows the images per update and so changes "
+                    "the optimisation)")
+    pr.add_argument("--batches", metavar="B1,B2,...", help="--recommend: the batches per replica to try "
+                    "(instead of --max-batch)")
     pr.add_argument("--objective", choices=("throughput", "efficiency"), default="throughput")
     pr.add_argument("--min-efficiency", type=float, default=0.0)
     pr.add_argument("--max-staleness", type=float, help="leave out configurations with more mean staleness")
@@ -123,14 +130,59 @@ def _recommend(args, cfg, prof) -> int:
 
     if args.max_nodes < 1:
         return _fail(f"--max-nodes {args.max_nodes}: must be >= 1")
+    try:
+        batches = recommend_batches(args, cfg.data.batch_size, largest_batch(prof))
+    except ValueError as e:
+        return _fail(str(e))
+    if not any(fits(prof, b) for b in batches):
+        from .profile import memory_text
+
+        return _fail(f"no batch tried fits the device: {memory_text(prof, min(batches))}")
     print(f"recommend: up to {args.max_nodes} nodes of {prof.describe()}", file=sys.stderr)
+    print(f"recommend: {batch_note(args, batches, cfg.data.batch_size, prof)}", file=sys.stderr)
     entries = recommend(cfg, prof, args.max_nodes, args.objective, args.min_efficiency, args.max_staleness,
-                        args.spread)
+                        args.spread, batches=batches)
     if args.format == "json":
         print(json.dumps(entries, indent=1))
     else:
         print(recommend_table(entries, args.objective))
     return 0
+
+
+def recommend_batches(args, recipe: int, largest: int | None) -> list[int]:
+    """The batches per replica --recommend tries: --batches, else batch_candidates up to
+    --max-batch (default: the recipe's batch)."""
+    from .recommend import batch_candidates
+
+    if args.batches is not None and args.max_batch is not None:
+        raise ValueError("give --batches or --max-batch, not both")
+    if args.batches is not None:
+        try:
+            out = [int(b) for b in args.batches.split(",")]
+        except ValueError:
+            raise ValueError(f"--batches {args.batches}: expected whole numbers, e.g. 16,32,64") from None
+        if not out or min(out) < 1:
+            raise ValueError(f"--batches {args.batches}: each must be >= 1")
+        return sorted(set(out))
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch {args.max_batch}: must be >= 1")
+    return batch_candidates(recipe, args.max_batch or recipe, largest)
+
+
+def batch_note(args, batches: list[int], recipe: int, prof) -> str:
+    """'batches per replica 32, 64 (128, 256 do not fit: the device holds up to 109)', or for the
+    default 'batch per replica 32, the recipe's (the device holds up to 109: --max-batch ...)'."""
+    largest = largest_batch(prof)
+    holds = f"the device holds up to {largest}" if largest is not None else \
+        f"device_memory {prof.device_memory / 1e9:.2f} GB"
+    if args.batches is None and args.max_batch is None and batches == [recipe]:
+        return f"batch per replica {recipe}, the recipe's ({holds + ': ' if holds else ''}--max-batch or " \
+               f"--batches to try others)"
+    ok, unfit = [b for b in batches if fits(prof, b)], [b for b in batches if not fits(prof, b)]
+    text = f"batches per replica {', '.join(map(str, ok)) or 'none'}"
+    if unfit:
+        text += f" ({', '.join(map(str, unfit))} {'does' if len(unfit) == 1 else 'do'} not fit: {holds})"
+    return text
 
 
 def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[str, Any]]:

@@ -19,8 +19,9 @@ from typing import Any
 
 from .. import figures
 from ..config import Config
+from ..strategies import images_per_update
 from . import costs
-from .profile import Profile
+from .profile import Profile, at_batch
 from .setup import Setup, make_setup
 from .simulate import simulate
 
@@ -87,7 +88,9 @@ def single_node(cfg: Config) -> Config:
 
 
 def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict[str, Any]:
-    """One row of predicted figures, keyed like a bench row where the meaning is the same."""
+    """One row of predicted figures, keyed like a bench row where the meaning is the same, for
+    the recipe's batch per replica (raises ModelError when it does not fit the device)."""
+    p = at_batch(p, cfg.data.batch_size)
     st = make_setup(cfg, p)
     est, method = estimate(p, st, spread, seed)
     # The baseline on the same hardware: its replicas are as uneven as this configuration's.
@@ -98,7 +101,8 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
     return {"strategy": cfg.strategy.name, "nodes": c.nodes, "nodes_total": st.nodes_total,
             "gpus_per_node": c.gpus_per_node, "num_ps": c.num_ps,
             "ps_placement": c.ps_placement if c.num_ps else None, "replicas": c.nodes * c.gpus_per_node,
-            "backup_workers": cfg.strategy.backup_workers, "spread": spread,
+            "backup_workers": cfg.strategy.backup_workers, "batch_per_replica": p.batch_per_replica,
+            "update_batch": images_per_update(cfg), "spread": spread,
             "images_per_sec": est.images_per_sec, "step_s": est.step_s, "speedup": scaled["speedup"],
             "efficiency": scaled["efficiency"], "baseline_images_per_sec": base.images_per_sec,
             "parts_s": est.parts, "link_bytes_per_step": est.link_bytes, "ps_cpu_util": est.ps_cpu_util,

@@ -3,18 +3,21 @@
 A profile describes one kind of node and network for one workload (model,
 image size, batch per replica). `scaletrain calibrate` measures one on this
 machine; profiles/study-k80.toml is built from the study's published figures.
+Other batches per replica follow a stated linear form (at_batch): compute time
+and device memory each a part that does not depend on the batch plus one that
+grows with it.
 Every field has a one-line doc with its unit; loading checks names, types and
 ranges and names the file and key of anything wrong.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import get_type_hints
 
 from ..config import check_value, opt, read_toml
-from ..errors import ProfileError
+from ..errors import ModelError, ProfileError
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,13 @@ class Profile:
     # node
     replicas_per_node: int = opt(1, "replicas (GPUs, or CPU slots) one node offers", lo=1, hi=1024)
     compute_s: float = opt(1.0, "seconds of forward + backward of one replica's batch", lo=1e-7, hi=1e5)
+    compute_base_s: float = opt(0.0, "seconds of compute_s that do not grow with the batch (kernel launches, "
+                                "reading the weights); 0 = compute proportional to the batch", lo=0.0, hi=1e5)
+    device_memory: int = opt(0, "bytes of memory of one replica's device (0 = no limit)", lo=0, hi=10**15)
+    memory_base: int = opt(0, "bytes a replica's device holds whatever the batch (weights, gradients, "
+                           "optimizer state, workspace)", lo=0, hi=10**15)
+    memory_per_image: int = opt(0, "bytes of training activations one image of image_size adds on the device",
+                                lo=0, hi=10**13)
     optimizer_s: float = opt(0.0, "seconds of one optimizer step on a replica's device (all-reduce)", lo=0.0, hi=1e5)
     host_copy_bandwidth: float = opt(0.0, "bytes/s between a replica's device and its host: a PS pusher copies the "
                                      "gradient out and the new values back (0: the replica computes on the host)",
@@ -85,12 +95,61 @@ def load_profile(path: str | Path) -> tuple[Profile, dict]:
     missing = [k for k in ("model", "gradient_bytes", "compute_s") if k not in values]
     if missing:
         raise ProfileError(f"profile {path}: missing {', '.join(missing)}")
-    return Profile(**values), about
+    prof = Profile(**values)
+    if prof.compute_base_s >= prof.compute_s:
+        raise ProfileError(f"profile {path}: node.compute_base_s = {prof.compute_base_s} must be below "
+                           f"node.compute_s = {prof.compute_s} (the part of it that does not grow with the batch)")
+    if not fits(prof, prof.batch_per_replica):
+        raise ProfileError(f"profile {path}: {memory_text(prof, prof.batch_per_replica)}")
+    return prof, about
+
+
+def compute_at(p: Profile, batch: int) -> float:
+    """Seconds of forward + backward of `batch` images on one replica: the fixed part plus
+    the rest of compute_s scaled by batch / batch_per_replica."""
+    return p.compute_base_s + (p.compute_s - p.compute_base_s) * batch / p.batch_per_replica
+
+
+def memory_at(p: Profile, batch: int) -> int:
+    """Bytes one replica's device needs to train `batch` images a step."""
+    return p.memory_base + batch * p.memory_per_image
+
+
+def fits(p: Profile, batch: int) -> bool:
+    return not p.device_memory or memory_at(p, batch) <= p.device_memory
+
+
+def largest_batch(p: Profile) -> int | None:
+    """The largest batch per replica the device holds; None without a limit."""
+    if not p.device_memory or not p.memory_per_image:
+        return None
+    return max(0, (p.device_memory - p.memory_base) // p.memory_per_image)
+
+
+def memory_text(p: Profile, batch: int) -> str:
+    """'batch 128 needs 13.80 GB (memory_base 1.00 GB + 128 x memory_per_image 0.100 GB) >
+    device_memory 12.00 GB'."""
+    return (f"batch {batch} per replica needs {memory_at(p, batch) / 1e9:.2f} GB (memory_base "
+            f"{p.memory_base / 1e9:.2f} GB + {batch} x memory_per_image {p.memory_per_image / 1e9:.3f} GB) > "
+            f"device_memory {p.device_memory / 1e9:.2f} GB")
+
+
+def at_batch(p: Profile, batch: int) -> Profile:
+    """The profile for `batch` images per replica: batch_per_replica = batch and compute_s at
+    that batch (compute_at); the other figures do not depend on the batch, or scale with
+    batch_per_replica themselves (input). Raises ModelError when the batch does not fit."""
+    if batch < 1:
+        raise ModelError(f"batch {batch} per replica: must be >= 1")
+    if not fits(p, batch):
+        raise ModelError(memory_text(p, batch))
+    if batch == p.batch_per_replica:
+        return p  # the measured point itself, not a rounding of it
+    return replace(p, batch_per_replica=batch, compute_s=compute_at(p, batch))
 
 
 SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_bytes", "dataset_images", "epochs"),
-            "node": ("replicas_per_node", "compute_s", "optimizer_s", "host_copy_bandwidth", "intra_bandwidth",
-                     "intra_latency"),
+            "node": ("replicas_per_node", "compute_s", "compute_base_s", "device_memory", "memory_base",
+                     "memory_per_image", "optimizer_s", "host_copy_bandwidth", "intra_bandwidth", "intra_latency"),
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
             "ps": ("ps_apply_rate", "ps_accumulate_rate", "ps_overlap"),
             "input": ("input_rate",),

@@ -1,5 +1,5 @@
 """The configuration to ask for: for each number of nodes, the best strategy, number of
-PS and placement under the model, with the runners-up and why they lose.
+PS, placement and batch per replica under the model, with the runners-up and why they lose.
 
 Candidates for T nodes: every strategy of the registry; for those with
 parameter servers, PS counts of 1, 2, 3, 5, 7, ... (odd counts spread tensors
@@ -7,6 +7,13 @@ better) up to T alongside the workers, or T - p workers with p dedicated PS
 nodes; backup strategies with one backup node. The objective ranks them;
 configurations below --min-efficiency or above --max-staleness are left out.
 Images whose gradients a backup strategy drops count for nothing in the ranking.
+
+Batches per replica: the recipe's by default. More images per replica amortise
+communication and a step's fixed cost, but they grow the images of an update,
+which changes the optimisation (learning rate, generalisation); so a larger
+batch is tried only when asked (batch_candidates: powers of two up to
+--max-batch, or --batches), and only those that fit the device's memory.
+Near-ties (about 1%) keep the batch nearest the recipe's.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 from ..config import Config
 from ..strategies import REGISTRY
 from .predict import predict
-from .profile import Profile
+from .profile import Profile, fits, memory_at
 from .setup import ModelError
 
 def node_counts(max_nodes: int) -> list[int]:
@@ -30,6 +37,20 @@ def node_counts(max_nodes: int) -> list[int]:
 
 def ps_counts(limit: int) -> list[int]:
     return [p for p in (1, 2, 3, 5, 7, 9, 11, 13, 15, 16, 24, 32, 48, 64) if p <= limit]
+
+
+def batch_candidates(recipe: int, max_batch: int, largest: int | None) -> list[int]:
+    """The recipe's batch and the powers of two above it up to max_batch; when the recipe's
+    batch does not fit the device (largest: the most it holds, None: no limit), the largest
+    power of two that does."""
+    out, b = [recipe], 1
+    while b <= max_batch:
+        if b > recipe:
+            out.append(b)
+        b *= 2
+    if largest is not None and recipe > largest >= 1:
+        out.append(1 << (largest.bit_length() - 1))
+    return sorted(set(out))
 
 
 def candidates(cfg: Config, total: int) -> list[Config]:
@@ -68,41 +89,84 @@ def why(loser: dict[str, Any], best: dict[str, Any], objective: str) -> str:
 
 def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "throughput",
               min_efficiency: float = 0.0, max_staleness: float | None = None, spread: float = 0.0,
-              runners_up: int = 3, progress: bool = True) -> list[dict[str, Any]]:
+              runners_up: int = 3, progress: bool = True, batches: list[int] | None = None) -> list[dict[str, Any]]:
     """One entry per node count: {"nodes": T, "best": row, "runners_up": [(row, reason), ...],
-    "considered": n}; best is None when no candidate meets the limits."""
+    "batch_reason": str, "considered": n, "batches": tried, "unfit": left out for memory};
+    best is None when no candidate meets the limits. batches: the batches per replica to try
+    (default: the recipe's); the runners-up are other configurations at the chosen batch."""
+    recipe = cfg.data.batch_size
+    batches = sorted(set(batches or [recipe]))
+    unfit = [b for b in batches if not fits(p, b)]
+    tried = [b for b in batches if b not in unfit]
     out = []
     for total in node_counts(max_nodes):
         rows = []
-        for c in candidates(cfg, total):
-            try:
-                rows.append(predict(c, p, spread))
-            except ModelError:
-                continue  # a shape the profile's nodes cannot hold
+        for b in tried:
+            for c in candidates(cfg.replace(**{"data.batch_size": b}), total):
+                try:
+                    rows.append(predict(c, p, spread))
+                except ModelError:
+                    continue  # a shape the profile's nodes cannot hold
         ok = [r for r in rows if r["efficiency"] >= min_efficiency
               and (max_staleness is None or (r["staleness_mean"] or 0.0) <= max_staleness)]
         top = max((value(r, objective) for r in ok), default=1.0)
-        # Near-ties (within 1%) go to the fresher gradients, then to fewer PS.
-        ok.sort(key=lambda r: (-round(value(r, objective) / top, 2), r["staleness_mean"] or 0.0, r["num_ps"]))
+        # Near-ties (within 1%) go to the fresher gradients, then to the batch nearest the recipe's
+        # (the smaller of two as near), then to fewer PS.
+        ok.sort(key=lambda r: (-round(value(r, objective) / top, 2), r["staleness_mean"] or 0.0,
+                               abs(r["batch_per_replica"] - recipe), r["batch_per_replica"], r["num_ps"]))
         best = ok[0] if ok else None
-        out.append({"nodes": total, "best": best, "considered": len(rows),
-                    "runners_up": [(r, why(r, best, objective)) for r in ok[1:1 + runners_up]]})
+        same = [r for r in ok[1:] if r["batch_per_replica"] == best["batch_per_replica"]] if best else []
+        tops = {b: next((r for r in ok if r["batch_per_replica"] == b), None) for b in tried}
+        out.append({"nodes": total, "best": best, "considered": len(rows), "batches": tried, "unfit": unfit,
+                    "batch_reason": batch_reason(best, tops, recipe, unfit, p, objective) if best else "",
+                    "runners_up": [(r, why(r, best, objective)) for r in same[:runners_up]]})
         if progress:
             print(f"  {total} node{'s' if total > 1 else ''}: {len(rows)} configurations", file=sys.stderr, flush=True)
     return out
 
 
+def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int, unfit: list[int],
+                 p: Profile, objective: str) -> str:
+    """Why the chosen batch per replica: its gain over the recipe's, and what stops the next
+    larger one ('+18% throughput over the recipe's 32; 128 does not fit (13.8 GB > 12.0 GB)')."""
+    b, said = best["batch_per_replica"], []
+    if b != recipe:
+        if recipe in unfit:
+            said.append(f"the recipe's {recipe} does not fit ({memory_at(p, recipe) / 1e9:.1f} GB > "
+                        f"{p.device_memory / 1e9:.1f} GB)")
+        elif tops.get(recipe) is None and recipe in tops:
+            said.append(f"none at the recipe's {recipe} meets the limits")
+        elif tops.get(recipe) is not None:
+            said.append(f"{value(best, objective) / value(tops[recipe], objective) - 1:+.0%} {objective} "
+                        f"over the recipe's {recipe}")
+    larger = sorted(c for c in tops if c > b)
+    if larger:
+        c = larger[0]
+        if tops[c] is None:
+            said.append(f"none at {c} meets the limits")
+        else:
+            gain = value(tops[c], objective) / value(best, objective) - 1
+            said.append(f"{c} gains only {gain:+.1%}")  # a near-tie: see the sort above
+    elif [c for c in unfit if c > b]:
+        c = min(c for c in unfit if c > b)
+        said.append(f"the largest tried that fits: {c} needs {memory_at(p, c) / 1e9:.1f} GB > "
+                    f"{p.device_memory / 1e9:.1f} GB")
+    return "; ".join(said) or ("the recipe's" if b == recipe else "")
+
+
 def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
     from ..figures import setup
 
-    lines = [f"| Nodes | Recommended ({objective}) | img/s | Speedup | Efficiency | Runners-up and why they lose |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| Nodes | Recommended ({objective}) | Batch per replica | Images per update | img/s | Speedup | "
+             "Efficiency | Why this batch | Runners-up at that batch and why they lose |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         b = e["best"]
         if b is None:
-            lines.append(f"| {e['nodes']} | none meets the limits ({e['considered']} considered) | | | | |")
+            lines.append(f"| {e['nodes']} | none meets the limits ({e['considered']} considered) | | | | | | | |")
             continue
         losers = "; ".join(f"{setup(r)}: {reason}" for r, reason in e["runners_up"]) or "-"
-        lines.append(f"| {e['nodes']} | {setup(b)} | {b['images_per_sec']:.1f} | {b['speedup']:.2f} | "
-                     f"{b['efficiency']:.2f} | {losers} |")
+        lines.append(f"| {e['nodes']} | {setup(b)} | {b['batch_per_replica']} | {b['update_batch']} | "
+                     f"{b['images_per_sec']:.1f} | {b['speedup']:.2f} | {b['efficiency']:.2f} | "
+                     f"{e['batch_reason'] or '-'} | {losers} |")
     return "\n".join(lines)

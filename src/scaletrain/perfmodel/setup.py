@@ -91,9 +91,9 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
 
 
 def check_workload(cfg: Config, prof: Profile, path: str) -> None:
-    """The recipe must train what the profile's compute figures were measured for."""
-    have = (cfg.model.name, cfg.data.image_size, cfg.data.batch_size)
-    want = (prof.model, prof.image_size, prof.batch_per_replica)
+    """The recipe must train what the profile's compute figures were measured for: the same
+    network at the same image size. Its batch per replica may differ (profile.at_batch)."""
+    have, want = (cfg.model.name, cfg.data.image_size), (prof.model, prof.image_size)
     if have != want:
-        raise ModelError(f"profile {path} was measured for {want[0]}, {want[1]} px, batch {want[2]}; the recipe "
-                         f"trains {have[0]}, {have[1]} px, batch {have[2]} (run `scaletrain calibrate` with it)")
+        raise ModelError(f"profile {path} was measured for {want[0]}, {want[1]} px; the recipe "
+                         f"trains {have[0]}, {have[1]} px (run `scaletrain calibrate` with it)")
