@@ -34,8 +34,8 @@ from .errors import ConfigError, GridError
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
         "bytes_per_step", "staleness_mean", "staleness_p95", "staleness_max", "dropped_gradients",
-        "dropped_fraction",
-        "emulated_workers", "git_commit", "host", "device", "torch_version", "python_version", "model", "parameters")
+        "dropped_fraction", "emulated_workers", "emulated_compute_s", "git_commit", "host", "device", "torch_version",
+        "python_version", "model", "parameters")
 
 
 def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:

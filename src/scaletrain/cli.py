@@ -195,7 +195,10 @@ def _slurm(args, cfg, run_dir: Path) -> int:
 
 
 def summary_line(summary: dict) -> str:
-    acc = summary.get("test_accuracy")
+    acc, emulated = summary.get("test_accuracy"), summary.get("emulated_compute_s")
+    if emulated:
+        return (f"steps {summary['steps']}  {summary['images_per_sec']:.1f} img/s  "
+                f"emulated compute {emulated:g} s a step: no loss, not evaluated")
     return (f"steps {summary['steps']}  {summary['images_per_sec']:.1f} img/s  "
             f"final train loss {summary['final_train_loss']:.4f}  "
             + (f"test accuracy {acc:.4f}" if acc is not None else "no test set"))

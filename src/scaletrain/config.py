@@ -130,6 +130,10 @@ class TrainConfig:
     precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))
     channels_last: bool = opt(False, "use the channels_last memory format on CUDA")
     threads: int = opt(0, "CPU threads for torch in this process (0 = torch's default)", lo=0, hi=1024)
+    emulate_compute_s: float = opt(0.0, "emulated GPU: each replica's forward and backward become a sleep of this "
+                                   "many seconds and a fixed gradient (from seed); no data is read, a step counts "
+                                   "data.batch_size images a replica, the loss is NaN, nothing is evaluated (0 = real "
+                                   "compute; 0..60), seconds", lo=0.0, hi=60.0)
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,12 @@ def _check_relations(cfg: Config) -> None:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
                           "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
     t = cfg.train
+    if t.emulate_compute_s:
+        for key, value in (("target_accuracy", t.target_accuracy), ("target_loss", t.target_loss),
+                           ("eval_every", t.eval_every)):
+            if value:
+                raise ConfigError(f"train.{key} = {value}: train.emulate_compute_s = {t.emulate_compute_s} trains on "
+                                  f"made-up gradients, so nothing is evaluated; set train.{key} = 0")
     if (t.target_accuracy or t.target_loss) and not t.eval_every:
         raise ConfigError("train.target_accuracy / train.target_loss are checked at evaluations: "
                           "set train.eval_every > 0")

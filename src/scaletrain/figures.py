@@ -27,7 +27,7 @@ BASELINE: dict[str, Any] = {"strategy.name": "allreduce", "cluster.nodes": 1, "c
 # Keys that only say how the job is distributed: a configuration and its baseline may differ in them.
 DISTRIBUTION_KEYS = (*BASELINE, "cluster.ps_placement", "cluster.sharding", "strategy.slow_delay_s")
 # Keys that setup() already shows in words.
-_SHOWN = ("strategy.name", "cluster.nodes", "cluster.num_ps", "cluster.ps_placement")
+_SHOWN = ("strategy.name", "cluster.nodes", "cluster.num_ps", "cluster.ps_placement", "train.emulate_compute_s")
 
 
 def baseline_cell(cell: dict[str, str]) -> dict[str, str]:
@@ -52,8 +52,9 @@ def rest(cell: dict[str, str]) -> dict[str, str]:
 
 
 def _same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same data kind, replicas per node and non-distribution grid keys."""
+    """Same data kind, emulated compute, replicas per node and non-distribution grid keys."""
     return (a.get("data") == b.get("data") and (a.get("gpus_per_node") or 1) == (b.get("gpus_per_node") or 1)
+            and (a.get("emulated_compute_s") or 0) == (b.get("emulated_compute_s") or 0)
             and rest(a.get("cell", {})) == rest(b.get("cell", {})))
 
 
@@ -123,10 +124,17 @@ def setup(row: dict[str, Any]) -> str:
     g = row.get("gpus_per_node") or 1
     per = f" x {g} replicas" if g > 1 else ""
     emulated = f", emulating {row['emulated_workers']} workers" if row.get("emulated_workers") else ""
+    emulated += emulated_compute(row)
     other = "".join(f", {k}={v}" for k, v in row.get("cell", {}).items()  # the grid's other keys, but
                     if k not in _SHOWN and str(BASELINE.get(k)) != v)     # not the baseline's own settings
     return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
             f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{other}{data}")
+
+
+def emulated_compute(row: dict[str, Any]) -> str:
+    """', emulated compute 0.2 s' for a row whose replicas emulated their GPUs (train.emulate_compute_s)."""
+    t = row.get("emulated_compute_s")
+    return f", emulated compute {t:g} s" if t else ""
 
 
 def throughput_text(row: dict[str, Any]) -> str:

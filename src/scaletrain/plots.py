@@ -46,7 +46,8 @@ def by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
     groups = defaultdict(list)
     for r in rows:
         if not r.get("error"):
-            key = r["strategy"] + ("" if r.get("data") in (None, "real") else f" ({r['data']})")
+            key = r["strategy"] + ("" if r.get("data") in (None, "real") else f" ({r['data']})") + \
+                figures.emulated_compute(r)
             groups[key].append(r)
     return {k: sorted(v, key=lambda r: (r["nodes_total"], r["nodes"])) for k, v in groups.items()}
 

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, schedule, stats
+from .compute import Backprop, Emulated
 from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
 from .errors import RunError
 from .metrics import JobClock, Progress, Recorder, sync
 from .models import build_model
-from .optim import build_optimizer, decayed, loss_fn, lr_at
+from .optim import build_optimizer, lr_at
 from .strategies import build_strategy, images_per_update
 from .replicas import evaluate, load_replica_buffers, replica_buffers
 from .strategies.base import Tick
@@ -129,44 +130,41 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     prepare = Prepare(cfg.data.augment, train_set.stats, device, channels_last)
     run = Run(cfg, ctx, run_dir, model, strategy, sched, prepare, len(train_set), test_set, resumed, progress)
     tick = Tick(run.images0, False, run.images0 >= sched.target)
-    loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
-                             rank=ctx.me.index, pin=device.type == "cuda")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
-    wd_params, update_images = decayed(model), images_per_update(cfg)
+    if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
+        work = Emulated(cfg, model, device)
+    else:
+        loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
+                                 rank=ctx.me.index, pin=device.type == "cuda")
+        work = Backprop(cfg, model, opt, loader, run.usable, device)
+    update_images = images_per_update(cfg)
     slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
-    batches = iter(loader)
     model.train()
     try:
         while not tick.stop:
             t0 = time.perf_counter()
-            batch = next(batches)
+            batch = work.fetch()
             run.clock.wait += time.perf_counter() - t0
-            x, y = run.usable(batch)
-            if x is None:
+            if batch is None:
                 if ctx.distributed:  # skipping would leave the other replicas waiting in the step's collective
                     raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
                                     "a distributed step needs at least one; see the warnings above")
                 continue
             lr = lr_at(cfg.optim, sched.step_of(tick.images), sched.steps, update_images)
             t1 = time.perf_counter()
-            with autocast:
-                loss = loss_fn(model(x).float(), y, wd_params, cfg.optim.weight_decay)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, images = work(batch)  # forward and backward: .grad holds this replica's gradient
             if slow:
                 time.sleep(slow)  # testing only: an emulated straggler
             if ctx.distributed:
                 sync(device)  # host-device sync, so compute time is not charged to communication
             run.compute_s += time.perf_counter() - t1
             before, tick = tick, strategy.step(lr)
-            run.after_step(before, tick, loss.detach(), len(y), lr)
+            run.after_step(before, tick, loss, images, lr)
             if tick.hold:
                 tick = run.point(tick)
         strategy.finish(stopped=run.stopped)  # after the last snapshot: the PS stop when every pusher has finished
     finally:
         run.close()
-        del batches  # stops loader worker processes
+        work.close()
     summary = run.summarize(tick, len(train_set), len(test_set))
     if run.stopped:
         step = sched.step_of(tick.images)
@@ -193,9 +191,10 @@ class Run:
                             every=cfg.train.log_every)
         workers = len(ctx.plan.workers)
         # Each worker evaluates its slice, or the chief all of it where no collective joins the workers.
+        # Emulated compute trains on made-up gradients: nothing to evaluate.
         index, slices = (0, 1) if ctx.tolerant else (ctx.me.index, workers)
         self.evaluation = test_loader(test_set, cfg, self.device.type == "cuda", index, slices) \
-            if len(test_set) and (self.chief or not ctx.tolerant) else None
+            if len(test_set) and (self.chief or not ctx.tolerant) and not cfg.train.emulate_compute_s else None
         self.group = None if ctx.tolerant else ctx.workers_group  # None when this is the only worker
         self.lost: list[dict] = []  # worker nodes the job went on without (chief)
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=self.device)  # [since row, since eval] x [sum, n]
@@ -397,5 +396,6 @@ class Run:
             "target_reached": bool(self.target), **self.target,
             "skipped_images": len(self.bad), "skipped_files": sorted(self.bad)[:20],
             "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
-            "train_images": train_images, "test_images": test_images}, self.cfg, self.ctx, self.device, job,
+            "train_images": train_images, "test_images": test_images,
+            "emulated_compute_s": self.cfg.train.emulate_compute_s}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())

@@ -1,0 +1,81 @@
+"""What a replica computes before each strategy step: its batch's gradient.
+
+`Backprop` is the real thing: the next batch, forward and backward.
+`Emulated` stands for a GPU (train.emulate_compute_s = T > 0): the host
+sleeps T seconds, as a host does while its GPU computes, then every
+parameter's .grad is filled with a fixed gradient of the model's size and
+layout. Everything after (averaging, all-reduce, PS pushes and pulls, the
+optimizer) is the strategy's real work, so a 2-core machine can show how the
+communication and the PS of a GPU cluster scale. The train loop calls either
+the same way: fetch() then the object itself.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from .optim import decayed, loss_fn
+
+# Small enough that SGD and RMSProp stay finite over millions of steps of the same gradient.
+EMULATED_SCALE = 1e-3
+
+
+class Backprop:
+    """Forward and backward of each batch the loader gives."""
+
+    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, usable,
+                 device: torch.device) -> None:
+        self.model, self.optimizer, self.usable = model, optimizer, usable
+        self.batches = iter(loader)
+        self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                         if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
+
+    def fetch(self):
+        """The next batch on the device as (x, y); None when none of its images could be read."""
+        x, y = self.usable(next(self.batches))
+        return None if x is None else (x, y)
+
+    def __call__(self, batch) -> tuple[torch.Tensor, int]:
+        """The batch's loss (on the device, no host sync) and its images; .grad holds the gradient."""
+        x, y = batch
+        with self.autocast:
+            loss = loss_fn(self.model(x).float(), y, self.wd_params, self.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss.detach(), len(y)
+
+    def close(self) -> None:
+        del self.batches  # stops loader worker processes
+
+
+class Emulated:
+    """An emulated GPU: no data is read (a GPU node's loaders run on cores of their own), a step
+    counts data.batch_size images, its loss is NaN (none is computed), and the gradient is the
+    same every step on every replica (drawn once from train.seed), so all strategies and runs agree."""
+
+    def __init__(self, cfg, model: torch.nn.Module, device: torch.device) -> None:
+        self.seconds, self.images = cfg.train.emulate_compute_s, cfg.data.batch_size
+        gen = torch.Generator().manual_seed(cfg.train.seed)
+        self.params = list(model.parameters())
+        # Memory: one more copy of the parameters.
+        self.grads = [(torch.randn(p.shape, generator=gen, dtype=p.dtype) * EMULATED_SCALE).to(device)
+                      for p in self.params]
+        self.loss = torch.tensor(float("nan"), device=device)
+
+    def fetch(self) -> int:
+        return self.images
+
+    def __call__(self, images: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.seconds)  # the GPU's forward and backward; the host is free meanwhile
+        for p, g in zip(self.params, self.grads):
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(g)  # writes every gradient byte, as a backward pass would
+        return self.loss, images
+
+    def close(self) -> None:
+        pass
