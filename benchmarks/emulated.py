@@ -20,8 +20,9 @@ perfmodel/calibrate.py's microbenchmarks, the one-way gloo transfer of the
 gradient over loopback (G / B) and one optimizer step over it (G / R). The
 PS's CPU per gradient is receiving it, applying it and sending the values
 back, 2 G/B + G/R (loopback moves bytes with the CPU, which a cluster's
-network does not). T = (G/B + 2 G/B + G/R) / 0.5, rounded to 10 ms. On the
-run kept in the README: G/B = 17 ms, G/R = 11 ms, T = 0.12 s.
+network does not). T = (G/B + 2 G/B + G/R) / 0.5, rounded to 10 ms (--compute-s
+sets it). On an idle machine: G/B = 17 ms, G/R = 11 ms, so T = 0.12 s; the run
+kept in the README measured under another job's load and derived T = 0.21 s.
 
 What the machine cannot emulate: every emulated node shares the same two
 cores, so an all-reduce's total copying grows with the node count here,
@@ -31,7 +32,7 @@ is one process, as on the cluster, so (b) is the closer match.
 
     python benchmarks/emulated.py [--steps 12 --warmup 3 --max-nodes 16 --compute-s T]
 
-Prints one JSON object (about 6 minutes on two cores).
+Prints one JSON object (about 9 minutes on two cores with another job beside it).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def main() -> None:
     nodes = [n for n in (1, 2, 4, 8, 16) if n <= a.max_nodes]
     sets = [*MODEL, f"train.emulate_compute_s={t}", "data.workers=0", "data.batch_size=32", "train.threads=1",
             "optim.schedule=constant", "optim.warmup_steps=0", "train.checkpoint_every=0"]
-    result = {"benchmark": "emulated", "model": "resnet18", "emulated_compute_s": t, "host": host,
+    result = {"benchmark": "emulated", "model": "resnet18", "emulated_compute_s": t, "measured": host,
               "steps": a.steps, "warmup": a.warmup}
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
