@@ -121,3 +121,14 @@ def test_no_data_is_read(tmp_path):
     assert s["steps"] == 3 and s["skipped_images"] == 0
     assert main(["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(tmp_path / "real"), "--quiet",
                  *[x for d in data for x in ("--set", d)]]) != 0
+
+
+def test_bench_adds_emulated_baseline():
+    """bench turns evaluation off in every cell, so a recipe that evaluates still benches emulated,
+    and its missing baseline is added."""
+    from scaletrain.bench import baseline_cells
+
+    added = baseline_cells(str(RECIPES / "digits.toml"), ["train.emulate_compute_s=0.1"],
+                           [({"cluster.nodes": "2"}, "real")])
+    assert added == [({"strategy.name": "allreduce", "cluster.nodes": "1", "cluster.num_ps": "0",
+                       "strategy.backup_workers": "0", "strategy.slow_node": "-1"}, "real")]

@@ -37,6 +37,9 @@ KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_place
         "dropped_fraction", "emulated_workers", "emulated_compute_s", "git_commit", "host", "device", "torch_version",
         "python_version", "model", "parameters")
 
+# What every cell runs with whatever the recipe says (checked with the recipe before any cell runs).
+IMPOSED = ("train.eval_every=0",)
+
 
 def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
     """Each item is KEY=V1,V2,... or, for keys that move together, K1+K2=A1:A2,B1:B2
@@ -122,7 +125,7 @@ def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str,
     for cell, data in plan:
         key = (data, tuple(sorted(figures.rest(cell).items())))
         try:
-            cfg = load_config(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items())])
+            cfg = load_config(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items()), *IMPOSED])
         except ConfigError:
             continue
         if figures.is_baseline(cfg.flat()):
@@ -138,7 +141,7 @@ def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
     plan = [(c, d) for c in cells(grid) for d in (("real", "synthetic") if pair_synthetic else ("real",))]
     extra = baseline_cells(recipe, overrides, plan)  # run first: a sweep cut short still has its speedups
     plan = [(c, d, True) for c, d in extra] + [(c, d, False) for c, d in plan]
-    timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", "train.eval_every=0",
+    timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", *IMPOSED,
               f"train.log_every={max(1, steps // 8)}"]
     rows = []
     with open(out / "bench.jsonl", "w") as fh:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from .bench import IMPOSED
 from .config import field_docs, load_config
 from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError, Stopped
 from .plan import format_table, node_line
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return (commands.predict_main if args.command == "predict" else commands.calibrate_main)(args)
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(args.recipe, [*args.overrides, *(IMPOSED if args.command == "bench" else ())])
     except ConfigError as e:
         print(f"scaletrain: config error: {e}", file=sys.stderr)
         return 2
