@@ -1,14 +1,24 @@
 """The performance model against this machine and against the study's figures.
 
-1. `scaletrain calibrate` measures a profile here (real processes, gloo);
-2. `scaletrain bench` measures a grid of strategies x nodes x PS counts and placements;
-3. `scaletrain predict --validate` sets the predictions against the bench;
-4. profiles/study-k80.toml predicts the study's four 4-worker configurations.
+For each regime, plain (every replica computes on this host's CPU cores) and
+emulated (`train.emulate_compute_s`: each replica sleeps as a GPU would
+compute and pushes a fixed gradient of the model's real size, while every
+transfer, PS and optimizer step is real; see README, "Emulated GPUs"):
 
-Prints one JSON object: the calibrated profile, each configuration's measured and
-predicted images/s with its error, the median absolute error, and the study rows.
+1. `scaletrain calibrate` measures a profile here (real processes, gloo; each
+   figure the median of 3 runs, with its spread);
+2. `scaletrain bench` measures 12 configurations: 2 and 3 nodes x 2 replicas;
+   allreduce, sync with 1 PS alongside or 2 dedicated, mixed-async with 1 or
+   2 PS, async; then sync and backup (b = 1) on 3 nodes with node 1 slowed;
+3. `scaletrain predict --validate` sets the predictions against the bench:
+   throughput, mean and p95 staleness, dropped gradients.
 
-    python benchmarks/perfmodel.py [--out runs/perfmodel] [--steps 30]
+Then profiles/study-k80.toml predicts the study's 4-worker configurations and
+sync against mixed-async at 2 to 16 nodes.
+
+Prints one JSON object (about 12 minutes on two quiet cores).
+
+    python benchmarks/perfmodel.py [--out runs/perfmodel] [--steps 30] [--regimes plain emulated]
 """
 
 from __future__ import annotations
@@ -27,49 +37,95 @@ from scaletrain.perfmodel.predict import predict
 from scaletrain.perfmodel.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = ["data.workers=0", "optim.warmup_steps=0", "cluster.gpus_per_node=2"]
+RECIPE = str(ROOT / "recipes/digits.toml")
+COMMON = ["data.workers=0", "optim.warmup_steps=0", "cluster.gpus_per_node=2"]
+# Emulated: ResNet-18's 45 MB gradient and 0.12 s a step, so that moving and applying the
+# gradient weigh against compute about as in the study (benchmarks/emulated.py says how).
+EMULATED_T = 0.12
+REGIMES = {"plain": ([], 0.1),
+           "emulated": (["model.name=resnet18", "data.image_size=32", "train.eval_every=0",
+                         f"train.emulate_compute_s={EMULATED_T}"],
+                        2 * EMULATED_T)}
 GRID = ["cluster.nodes=2,3",
         "strategy.name+cluster.num_ps+cluster.ps_placement=allreduce:0:alongside,sync:1:alongside,"
         "sync:2:dedicated,mixed-async:1:alongside,mixed-async:2:alongside,async:1:alongside"]
+SLOWED = ["cluster.nodes=3", "cluster.num_ps=1", "strategy.slow_node=1",
+          "strategy.name+strategy.backup_workers=sync:0,backup:1"]
 STUDY = [("1 node (no distribution)", ["cluster.nodes=1", "cluster.num_ps=0", "strategy.name=allreduce"], 124.18),
          ("7 nodes (4 workers + 3 dedicated PS)", ["cluster.num_ps=3", "cluster.ps_placement=dedicated"], 396.62),
          ("4 nodes (4 workers + 3 PS alongside)", ["cluster.num_ps=3"], 374.73),
          ("4 nodes (4 workers + 1 PS alongside)", ["cluster.num_ps=1"], 292.22)]
+SYNC_VS_ASYNC = [(2, 1), (4, 3), (8, 7), (16, 7)]
+
+
+def sets_of(items: list[str]) -> list[str]:
+    return [a for s in items for a in ("--set", s)]
+
+
+def grids_of(items: list[str]) -> list[str]:
+    return [a for g in items for a in ("--grid", g)]
+
+
+def regime(name: str, out: Path, steps: int) -> dict:
+    extra, slow_s = REGIMES[name]
+    sets = sets_of(COMMON + extra)
+    bench = ["--warmup", "5", "--steps", str(steps)]
+    prof = out / "local.toml"
+    with stdout_to_stderr():
+        rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--out", str(prof)])
+        rc = rc or cli(["bench", "--recipe", RECIPE, *sets, *grids_of(GRID), *bench, "--out", str(out / "bench")])
+        rc = rc or cli(["bench", "--recipe", RECIPE, *sets, "--set", f"strategy.slow_delay_s={slow_s}",
+                        *grids_of(SLOWED), *bench, "--out", str(out / "slowed")])
+        rc = rc or cli(["predict", "--profile", str(prof), "--validate", str(out / "bench"), str(out / "slowed")])
+    if rc:
+        sys.exit(rc)
+    validated = json.loads((out / "bench/validate-rows.json").read_text())
+    profile = tomllib.loads(prof.read_text())
+
+    def pair(r: dict, key: str) -> list:
+        return [None if r[f"{key}_{s}"] is None else round(r[f"{key}_{s}"], 3) for s in ("measured", "predicted")]
+
+    return {
+        "profile": {k: v for section, table in profile.items() if section != "about" for k, v in table.items()},
+        "calibration_spread": profile["about"]["spread"],
+        "rows": [{"setup": r["label"], "measured": round(r["measured"], 1), "predicted": round(r["predicted"], 1),
+                  "error": round(r["rel_error"], 4), "staleness_mean": pair(r, "staleness_mean"),
+                  "staleness_p95": pair(r, "staleness_p95"), "dropped_fraction": pair(r, "dropped_fraction"),
+                  "bottleneck": r["bottleneck"]} for r in validated["rows"]],
+        "configurations": len(validated["rows"]),
+        "median_abs_error": round(validated["median_abs_error"], 4),
+        "staleness_median_abs_error": validated["staleness_median_abs_error"],
+    }
+
+
+def study() -> dict:
+    k80, _ = load_profile(ROOT / "profiles/study-k80.toml")
+    recipe = ROOT / "recipes/anp-resnet50.toml"
+    rows = []
+    for name, sets_, measured in STUDY:
+        row = predict(load_config(recipe, ["cluster.gpus_per_node=4", "cluster.nodes=4", "strategy.name=mixed-async",
+                                           *sets_]), k80)
+        rows.append({"setup": name, "measured": measured, "predicted": round(row["images_per_sec"], 2),
+                     "error": round(row["images_per_sec"] / measured - 1, 4), "bottleneck": row["bottleneck"]})
+    versus = []
+    for nodes, ps in SYNC_VS_ASYNC:
+        rate = {s: predict(load_config(recipe, ["cluster.gpus_per_node=4", f"cluster.nodes={nodes}",
+                                                f"cluster.num_ps={ps}", f"strategy.name={s}"]), k80)["images_per_sec"]
+                for s in ("sync", "mixed-async")}
+        versus.append({"nodes": nodes, "ps_alongside": ps, "sync": round(rate["sync"], 1),
+                       "mixed_async": round(rate["mixed-async"], 1),
+                       "sync_over_mixed_async": round(rate["sync"] / rate["mixed-async"], 3)})
+    return {"study_k80_4_workers": rows, "sync_vs_mixed_async": versus}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=ROOT / "runs/perfmodel")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
     args = ap.parse_args()
-    recipe = str(ROOT / "recipes/digits.toml")
-    sets = [a for s in SETS for a in ("--set", s)]
-    with stdout_to_stderr():
-        rc = cli(["calibrate", "--recipe", recipe, *sets, "--out", str(args.out / "local.toml")])
-        rc = rc or cli(["bench", "--recipe", recipe, *sets, *(a for g in GRID for a in ("--grid", g)),
-                        "--warmup", "5", "--steps", str(args.steps), "--out", str(args.out / "bench")])
-        rc = rc or cli(["predict", "--profile", str(args.out / "local.toml"), "--validate", str(args.out / "bench")])
-    if rc:
-        sys.exit(rc)
-    validated = json.loads((args.out / "bench/validate-rows.json").read_text())
-    k80, _ = load_profile(ROOT / "profiles/study-k80.toml")
-    study = []
-    for name, sets_, measured in STUDY:
-        cfg = load_config(ROOT / "recipes/anp-resnet50.toml",
-                          ["cluster.gpus_per_node=4", "cluster.nodes=4", "strategy.name=mixed-async", *sets_])
-        row = predict(cfg, k80)
-        study.append({"setup": name, "measured": measured, "predicted": round(row["images_per_sec"], 2),
-                      "error": round(row["images_per_sec"] / measured - 1, 4),
-                      "speedup": round(row["speedup"], 3), "efficiency": round(row["efficiency"], 3),
-                      "bottleneck": row["bottleneck"]})
-    print(json.dumps({
-        "profile": tomllib.loads((args.out / "local.toml").read_text()),
-        "this_machine": [{"setup": r["label"], "measured": round(r["measured"], 1),
-                          "predicted": round(r["predicted"], 1), "error": round(r["rel_error"], 4)}
-                         for r in validated["rows"]],
-        "median_abs_error": round(validated["median_abs_error"], 4),
-        "study_k80_4_workers": study,
-    }, indent=1))
+    print(json.dumps({**{name: regime(name, args.out / name, args.steps) for name in args.regimes}, **study()},
+                     indent=1))
 
 
 if __name__ == "__main__":
