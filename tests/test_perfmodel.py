@@ -475,3 +475,21 @@ def test_epoch_time_is_images_over_throughput_and_the_study_trains_in_its_hours(
     assert r.returncode == 0 and "| Epoch (h) | Training time (h) |" in r.stdout
     hours = float(r.stdout.strip().splitlines()[-1].rstrip("| ").split("|")[-1])
     assert hours == pytest.approx(2 * 600_000 / one["images_per_sec"] / 3600, abs=0.06)
+
+
+def test_a_slowed_node_sleeps_without_holding_a_core():
+    # strategy.slow_delay_s is a sleep: on a shared host (2 cores, 4 replicas of 1 s compute) the
+    # step is bound by the cores' work, which a sleep of 1 s on one node does not add to.
+    p = replace(TOY, shared_cores=2, optimizer_s=0.0)
+    even, _ = estimate(p, make_setup(cfg_of(nodes=2, gpus=2), p))
+    slowed, _ = estimate(p, make_setup(cfg_of(nodes=2, gpus=2, strategy__slow_node=1, strategy__slow_delay_s=1.0), p))
+    assert even.step_s == pytest.approx(4 * (1.0 + costs.ring_allreduce_s(4, G, 1e7, 1e-3)) / 2)
+    assert slowed.step_s == pytest.approx(even.step_s) and slowed.straggler_s == pytest.approx(1.0)
+    # In the simulation too: a backup (b = 1) leaves the sleeping node behind at no cost to the others.
+    shape = dict(nodes=3, ps=1, where="dedicated")
+    sync = simulate(p, make_setup(cfg_of("sync", **shape), p), cycle_hint=3.0)
+    backup = simulate(p, make_setup(cfg_of("backup", **shape, strategy__backup_workers=1, strategy__slow_node=1,
+                                           strategy__slow_delay_s=10.0), p), cycle_hint=3.0)
+    # the slowed node pushes once in 11 s, the two others every 1.7 s: one gradient in 15 is dropped
+    assert 0.03 < backup.dropped_fraction < 0.1
+    assert backup.images_per_sec * (1 - backup.dropped_fraction) > 0.9 * sync.images_per_sec

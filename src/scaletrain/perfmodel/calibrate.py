@@ -10,12 +10,18 @@
   4 bytes and of one gradient back and forth: latency and bandwidth;
 - all-reduce: N processes all-reducing the same two sizes; the ring formula
   solved for latency and bandwidth;
-- on a shared host, a real 2-replica all-reduce job: alone, the two
-  microbenchmarks above run with cores to spare, while in a job every
-  message waits for its peer to get a core back from computing. The job's
-  step less compute and optimizer is its communication under load; the
-  latencies are multiplied and the bandwidths divided by its ratio to the
-  microbenchmark's all-reduce (never below 1).
+- on a shared host, a real 2-replica all-reduce job: alone, the all-reduce
+  microbenchmark runs with cores to spare, while in a job the ring waits for
+  both replicas to get a core back from computing. The job's step less
+  compute and optimizer is its all-reduce under load; the all-reduce's
+  latency is multiplied and its bandwidth divided by its ratio to the
+  microbenchmark's (never below 1);
+- on a shared host, a real 2-node sync job with one PS: its transfers
+  compete for the CPU and memory the job's other copies use, by an amount
+  that depends on the gradient's size (whether it fits a cache). The
+  point-to-point latency is multiplied and the bandwidths divided by the
+  factor (never below 1) that makes the model's step of that job the
+  measured one.
 
 Each figure is the median of several runs (separate jobs and process pairs):
 loopback timings on a loaded host move between runs, and one run would decide
@@ -35,6 +41,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,18 +126,50 @@ def measure_optimizer(cfg: Config, numel: int) -> float:
     return _timed(opt.step, 10)
 
 
-def measure_job(cfg: Config, replicas: int, warmup: int, steps: int) -> tuple[float, str]:
+def measure_job(cfg: Config, replicas: int, warmup: int, steps: int, **shape) -> tuple[float, str]:
     """Seconds per step of a real local training job of the recipe (one node, `replicas`
-    replicas of one thread each, all-reduce, no evaluation), and its device."""
+    replicas of one thread each, all-reduce, no evaluation; `shape` overrides those keys),
+    and its device."""
     from ..run import run_training
 
-    job = cfg.replace(**{"cluster.nodes": 1, "cluster.gpus_per_node": replicas, "cluster.num_ps": 0,
-                         "strategy.name": "allreduce", "strategy.slow_node": -1, "train.threads": 1,
-                         "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
-                         "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
+    job = job_config(cfg, replicas, **shape).replace(**{
+        "train.threads": 1, "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
+        "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_training(job, Path(tmp) / "run", progress=False)
-    return replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
+    return job.cluster.nodes * replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
+
+
+def job_config(cfg: Config, replicas: int, nodes: int = 1, num_ps: int = 0, strategy: str = "allreduce") -> Config:
+    return cfg.replace(**{"cluster.nodes": nodes, "cluster.gpus_per_node": replicas, "cluster.num_ps": num_ps,
+                          "cluster.ps_placement": "alongside", "strategy.name": strategy, "strategy.slow_node": -1})
+
+
+PS_JOB = {"nodes": 2, "num_ps": 1, "strategy": "sync"}  # the job that sets the transfers' load
+
+
+def fit_transfer_load(prof: Profile, cfg: Config, step_s: float) -> float:
+    """The factor f >= 1 by which a PS job's transfers are slower than the point-to-point
+    microbenchmark's: the model's step of PS_JOB with latency x f and bandwidths / f equals
+    the measured `step_s`. Loopback moves bytes with the CPU and memory the job's other
+    copies are using; how much that costs depends on the sizes, which cache they fit."""
+    from .predict import predict
+
+    job = job_config(cfg, 1, **PS_JOB)
+
+    def predicted(f: float) -> float:
+        return predict(job, replace(prof, net_latency=prof.net_latency * f, net_bandwidth=prof.net_bandwidth / f,
+                                    local_bandwidth=prof.local_bandwidth / f))["step_s"]
+
+    lo, hi = 1.0, 64.0
+    if predicted(lo) >= step_s:
+        return lo
+    if predicted(hi) <= step_s:
+        return hi
+    for _ in range(30):  # bisection on a log scale: the step grows with f
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if predicted(mid) < step_s else (lo, mid)
+    return (lo * hi) ** 0.5
 
 
 def batch_line(b_ref: int, y_ref: float, b_other: int, y_other: float) -> tuple[float, float]:
@@ -224,7 +263,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         alone = ring_allreduce_s(2, nbytes, ibw, ilat)
         load = max(1.0, (job_s - compute_s - opt_s) / alone)
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")
-        ilat, ibw, lat, bw = ilat * load, ibw / load, lat * load, bw / load
+        ilat, ibw = ilat * load, ibw / load
     prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
                    compute_s=compute_s, compute_base_s=min(compute_base, 0.999 * compute_s),
@@ -240,4 +279,10 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
              "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")
              + (f"; compute emulated: train.emulate_compute_s = {cfg.train.emulate_compute_s}" if emulated else ""),
              "spread": spreads}
+    if not gpu:
+        ps_s = kept("ps_job", lambda: {"step_s": measure_job(cfg, 1, warmup, steps, **PS_JOB)[0]})["step_s"]
+        f = fit_transfer_load(prof, cfg, ps_s)
+        say(f"  2-node sync job with 1 PS: {ps_s * 1e3:.2f} ms a step; transfers {f:.2f} x the microbenchmark's")
+        prof = replace(prof, net_latency=lat * f, net_bandwidth=bw / f, local_bandwidth=bw / f)
+        about["transfer_load"] = round(f, 4)
     return prof, about

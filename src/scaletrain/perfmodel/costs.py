@@ -89,9 +89,10 @@ def loader_floor(p: Profile, st: Setup) -> float:
     return input_s(p, st) if st.loaders else 0.0
 
 
-def allreduce(p: Profile, st: Setup) -> Estimate:
+def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
     """All-reduce: each replica computes, joins one ring over all replicas, steps its optimizer.
-    The ring's pace is that of its slowest hop: a network hop once it spans nodes."""
+    The ring's pace is that of its slowest hop: a network hop once it spans nodes. `wait`: the
+    seconds the ring waits for its slowest replica (a straggler), which keeps no core busy."""
     n = st.nodes * st.replicas
     if st.nodes == 1 or p.shared_cores:  # one node, or every "node" on one host: no network hop
         bw, lat = p.intra_bandwidth, p.intra_latency
@@ -100,10 +101,10 @@ def allreduce(p: Profile, st: Setup) -> Estimate:
     comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
     parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
     cpu = n * (sum(parts.values()) - (0.0 if p.compute_on_cores else p.compute_s))
-    step = max(sum(parts.values()), shared_floor(p, cpu), loader_floor(p, st))
+    step = max(sum(parts.values()) + wait, shared_floor(p, cpu), loader_floor(p, st))
     moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
     links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
-    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links)
+    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links, straggler_s=wait)
     est.link_util = max((b / p.net_bandwidth / step for b in links.values()), default=0.0)
     return est
 

@@ -51,10 +51,7 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
     if not st.uses_ps:
         n = st.nodes * st.replicas
         slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
-        est = costs.allreduce(replace(p, compute_s=slowest), st)
-        est.straggler_s = slowest - p.compute_s
-        est.parts["compute"] = p.compute_s
-        return est, "closed form"
+        return costs.allreduce(p, st, wait=slowest - p.compute_s), "closed form"
     closed = costs.sync_ps(p, st)  # the one-shard synchronous round; several shards share links
     uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)
     sim = simulate(p, st, spread=spread, seed=seed, cycle_hint=closed.step_s)

@@ -6,8 +6,8 @@ gradients) and uneven replica speeds (stragglers).
 
 - A pusher (a node's leader, or every replica under async) loops: its
   replicas compute (each at compute_s x a random factor of mean 1 and
-  coefficient of variation `spread`, plus strategy.slow_delay_s on the slow
-  node; a node waits for its slowest replica), average inside the node, send
+  coefficient of variation `spread`, then strategy.slow_delay_s of sleep on
+  the slow node; a node waits for its slowest replica), average inside the node, send
   each shard its slice, wait for every shard's reply, share the values inside
   the node. With background loaders a pusher's replicas start a step no
   sooner than the loaders' time for one batch after they started the last
@@ -90,12 +90,15 @@ class _Sim:
             yield self.env.timeout(seconds)
             self.busy["host", "cores"] += seconds
 
-    def compute(self, seconds: float):
-        """A replica's forward and backward: CPU work, unless it runs elsewhere (compute_on_cores)."""
+    def compute(self, seconds: float, delay: float = 0.0):
+        """A replica's forward and backward: CPU work, unless it runs elsewhere (compute_on_cores);
+        then a slowed node's delay, which holds no core (it sleeps)."""
         if self.p.compute_on_cores:
             yield from self.work(seconds)
         else:
             yield self.env.timeout(seconds)
+        if delay:
+            yield self.env.timeout(delay)
 
     def on_node(self, seconds: float, processes: int):
         """The same work done by `processes` processes of one node at once."""
@@ -130,12 +133,12 @@ class _Sim:
         copy = host_copy_s(p)
         while True:
             slow = st.slow_delay_s if node == st.slow_node else 0.0
-            times = [p.compute_s * self.factor() + slow for _ in range(reps)]
+            times = [p.compute_s * self.factor() for _ in range(reps)]
             t0 = env.now
             if env.now < ready:  # the loaders have not filled the next batch yet
                 yield env.timeout(ready - env.now)
             ready = env.now + feed
-            yield env.all_of([env.process(self.compute(t)) for t in times])
+            yield env.all_of([env.process(self.compute(t, slow)) for t in times])
             self.computing += env.now - t0
             if copy:  # the gradient from the device to the host
                 yield env.timeout(copy)
