@@ -91,7 +91,9 @@ def test_full_disk_warns_training_goes_on_and_a_last_checkpoint_that_does_not_fi
         assert needed > free and "training goes on" in line
     error = error_line(r)
     assert f"{run_dir}/checkpoints/ckpt-00000006.pt" in error and "No space left" in error, error
-    assert needed_and_free(error)[0] == needed
+    # The last checkpoint holds the final evaluation's figure too: a few bytes more, which the
+    # archive's 64-byte records may round up to one record more.
+    assert 0 <= needed_and_free(error)[0] - needed <= 64
     assert not list(run_dir.rglob("*.tmp")) and not list(run_dir.rglob("*.pt"))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(row["step"] for row in rows) == 6  # training went on past the failed writes
