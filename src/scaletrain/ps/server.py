@@ -198,8 +198,8 @@ class Shard:
         if self.pending and len(self.pending) >= min(self.wait_for, len(self.active), left):
             for src in self.pending:
                 self._record(src, 0)
-            self._apply(self.acc / len(self.pending), len(self.pending) * self.push_images)
-            self.acc.zero_()
+            self._apply(self.acc.div_(len(self.pending)), len(self.pending) * self.push_images)  # in place: no new
+            self.acc.zero_()  # tensor (and its page faults) per update
             senders, self.pending = self.pending, []
             self._reply(senders)
 

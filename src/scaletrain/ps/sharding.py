@@ -75,13 +75,14 @@ def make_layout(numels: list[int], num_shards: int, method: str) -> ShardLayout:
     return ShardLayout(tuple(shards))
 
 
-def gather(tensors: list[torch.Tensor], shard: tuple[Segment, ...]) -> torch.Tensor:
-    """The shard's elements as one new 1-D tensor (of parameters or of gradients)."""
+def gather(tensors: list[torch.Tensor], shard: tuple[Segment, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The shard's elements as one 1-D tensor (of parameters or of gradients): a new one, or
+    written into `out` (a buffer kept across steps, see Strategy.buffer)."""
     with torch.no_grad():
         if not shard:
             ref = tensors[0]
             return torch.empty(0, dtype=ref.dtype, device=ref.device)
-        return torch.cat([tensors[s.param].detach().reshape(-1)[s.lo:s.hi] for s in shard])
+        return torch.cat([tensors[s.param].detach().reshape(-1)[s.lo:s.hi] for s in shard], out=out)
 
 
 def scatter_(tensors: list[torch.Tensor], shard: tuple[Segment, ...], flat: torch.Tensor) -> None:

@@ -11,14 +11,16 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .base import Strategy, Tick
 
 
-def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what: str = "comm_s") -> None:
+def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what: str = "comm_s",
+             out: torch.Tensor | None = None) -> None:
     """All-reduce the tensors (gradients, or BatchNorm statistics) of `group` into their mean, in place.
 
-    One flat buffer: one collective per step instead of one per tensor. Bytes
-    are counted, when counters are given, as a ring all-reduce moves them:
-    2(n-1)/n of the buffer sent and received by each process.
+    One flat buffer (`out` when given, kept across steps: see Strategy.buffer): one
+    collective per step instead of one per tensor. Bytes are counted, when counters
+    are given, as a ring all-reduce moves them: 2(n-1)/n of the buffer sent and
+    received by each process.
     """
-    flat = _flatten_dense_tensors(tensors)
+    flat = _flatten_dense_tensors(tensors) if out is None else torch.cat([t.reshape(-1) for t in tensors], out=out)
     with counters.timed(what) if counters else nullcontext():
         dist.all_reduce(flat, group=group)  # collective; blocks until every member joins
     flat /= size
@@ -44,8 +46,9 @@ class AllReduce(Strategy):
             # One more element in the step's all-reduce: whether any replica holds a request (a stop
             # signal, a timed checkpoint), so all of them make this step an agreed point.
             flag = torch.full((1,), float(bool(self.ctx.requests)), device=self.params[0].device)
-            grads = self.grads()
-            average_(grads + [flag], self.ctx.workers_group, self.world, self.counters, "comm_s")
+            grads = self.grads() + [flag]
+            average_(grads, self.ctx.workers_group, self.world, self.counters, "comm_s",
+                     self.buffer("grads", sum(g.numel() for g in grads), flag.dtype, flag.device))
             asked = bool(flag.item())  # host-device sync on GPU
         self.set_lr(lr)
         self.optimizer.step()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from .. import dist as sdist
 from ..checkpoint import CheckpointError
@@ -56,14 +56,14 @@ class PSClient(Strategy):
     def step(self, lr: float) -> Tick:
         grads = self.grads()
         if self.group is not None:
-            average_(grads, self.group, self.group_size, self.counters, "intra_s")
+            average_(grads, self.group, self.group_size, self.counters, "intra_s", self._flat("grads"))
         # [images, flags]: the job's progress as the shards reported it to this node's pusher
         info = torch.zeros(2, dtype=torch.int64, device=self.params[0].device)
         if self.pusher:
             with self.counters.timed("comm_s"):
                 info[0], info[1] = self._push_pull([g.detach().cpu() for g in grads])
         if self.group is not None:
-            flat = _flatten_dense_tensors([p.data for p in self.params])
+            flat = torch.cat([p.data.reshape(-1) for p in self.params], out=self._flat("values"))
             with self.counters.timed("intra_s"):
                 dist.broadcast(flat, src=self.leader, group=self.group)  # collective: leader's new values
                 dist.broadcast(info, src=self.leader, group=self.group)  # collective: 16 bytes
@@ -75,13 +75,18 @@ class PSClient(Strategy):
         images, flags = info.tolist()  # host-device sync on GPU (the pusher's .cpu() already was one)
         return Tick(images, bool(flags & P.HOLD), bool(flags & P.DONE), flags >> P.ASKED)
 
+    def _flat(self, name: str) -> torch.Tensor:
+        """A buffer for all the parameters (or gradients) end to end."""
+        return self.buffer(name, sum(p.numel() for p in self.params), self.params[0].dtype, self.params[0].device)
+
     def _exchange(self, msgs: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Send (shard, header, payload) messages and receive each shard's reply into the
         parameters; returns the reply headers."""
         replies, works = [], []
         for k, hdr_out, payload in msgs:
             server = self.servers[k]
-            hdr, vals = torch.zeros(P.HEADER, dtype=torch.int64), torch.empty(self.layout.numel(k))
+            hdr = torch.zeros(P.HEADER, dtype=torch.int64)
+            vals = self.buffer(f"reply {k}", self.layout.numel(k), torch.float32, torch.device("cpu"))
             # Post the receives first: the server answers as soon as it has applied.
             works += [dist.irecv(hdr, src=server, tag=P.TAG_REPLY_HDR),
                       dist.irecv(vals, src=server, tag=P.TAG_REPLY_VALS)]
@@ -110,8 +115,9 @@ class PSClient(Strategy):
         agreed point and another answered before reaching it, PULL that one's point values,
         so this node leaves the point with every shard's values of it."""
         asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards hold at the next update
-        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), gather(grads, self.layout.shards[k]))
-                               for k in range(len(self.servers))])
+        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), gather(
+            grads, self.layout.shards[k], self.buffer(f"push {k}", self.layout.numel(k), grads[0].dtype, grads[0].device)))
+            for k in range(len(self.servers))])
         behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
         if len(behind) < len(hdrs):
             for k, h in zip(behind, self._exchange([(k, P.header(0, P.PULL), None) for k in behind])):
