@@ -58,12 +58,12 @@ def test_allreduce_step_uses_network_ring_across_nodes():
 
 def test_sync_ps_accumulates_every_gradient_and_applies_once():
     # Three pushers, one dedicated one-thread shard, transfers near free: a round is compute,
-    # three gradients added into the accumulator and one update, where a shard applying
-    # every gradient would take three updates.
+    # three gradients added into the accumulator and one update (the sum's mean, one more pass,
+    # then the optimizer), where a shard applying every gradient would take three updates.
     free = replace(TOY, net_bandwidth=1e15, local_bandwidth=1e15, net_latency=0.0, ps_accumulate_rate=1e7,
                    ps_apply_rate=1e6)
     st = make_setup(cfg_of("sync", nodes=3, ps=1, where="dedicated"), free)
-    round_s = 1.0 + 3 * G / 1e7 + G / 1e6
+    round_s = 1.0 + 3 * G / 1e7 + (G / 1e7 + G / 1e6)
     assert costs.sync_ps(free, st).step_s == pytest.approx(round_s, rel=1e-6)
     assert simulate(free, st, cycle_hint=round_s).step_s == pytest.approx(round_s, rel=1e-3)
     # asynchronous shards apply every gradient: with these figures the shard is the bottleneck
@@ -77,12 +77,12 @@ def test_one_thread_shard_moves_its_messages_in_turn():
     # N pushers into one dedicated shard that receives, adds, applies and replies on one thread:
     # each transfer t = G / 1e6 + latency. The first pusher answered computes while the shard
     # answers the others, so a round is that reply, the compute (c), N transfers in with their
-    # adds, and the update; unless the N replies take longer than the first one and c.
+    # adds, and the update (mean and optimizer); unless the N replies take longer than the first one and c.
     n, t = 3, G / 1e6 + 0.01
     for c in (1.0, 5.0):
         p = replace(TOY, compute_s=c)
         st = make_setup(cfg_of("sync", nodes=n, ps=1, where="dedicated"), p)
-        takes = n * (t + G / p.ps_accumulate_rate) + G / p.ps_apply_rate
+        takes = n * (t + G / p.ps_accumulate_rate) + (G / p.ps_accumulate_rate + G / p.ps_apply_rate)
         round_s = takes + max(t + c, n * t)
         assert costs.sync_ps(p, st).step_s == pytest.approx(round_s, rel=1e-6)
         assert simulate(p, st, cycle_hint=round_s).step_s == pytest.approx(round_s, rel=0.005)
@@ -91,16 +91,18 @@ def test_one_thread_shard_moves_its_messages_in_turn():
 
 def test_threaded_shard_overlaps_transfers_with_its_work():
     # A threaded shard (ps_overlap): all N gradients come in through the PS's link at once, the
-    # adds hide behind them but for one, then the update; the replies go out at once.
+    # adds hide behind them but for one, then the update (the mean, G / 1e10, and the optimizer,
+    # G / 1e8); the replies go out at once.
     n = 3
     p = replace(TOY, ps_overlap=True)
     st = make_setup(cfg_of("sync", nodes=n, ps=1, where="dedicated"), p)
     est = costs.sync_ps(p, st)
-    assert est.step_s == pytest.approx(1.0 + 2 * (n * G / 1e6 + 0.01) + G / 1e10 + G / 1e8)
+    assert est.step_s == pytest.approx(1.0 + 2 * (n * G / 1e6 + 0.01) + G / 1e10 + (G / 1e10 + G / 1e8))
     # Played out in time, the first pusher answered computes while the others get their replies:
     # a round lasts c + (N + 1) t + the last add and the update + two latencies, not c + 2 N t.
     res = simulate(p, st, cycle_hint=5.0)
-    assert res.step_s == pytest.approx(1.0 + (n + 1) * G / 1e6 + G / 1e10 + G / 1e8 + 2 * 0.01, rel=0.005)
+    assert res.step_s == pytest.approx(1.0 + (n + 1) * G / 1e6 + G / 1e10 + (G / 1e10 + G / 1e8) + 2 * 0.01,
+                                       rel=0.005)
 
 
 def test_sync_is_as_fast_as_mixed_async_with_equal_speeds_and_a_cheap_network():

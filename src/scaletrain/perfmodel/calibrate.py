@@ -6,6 +6,9 @@
   model's size, one thread: the per-replica step and a PS's apply rate;
 - accumulate: one gradient added into a sum, one thread: a synchronous PS's
   work per gradient;
+- copy: one gradient copied from the replica's device into host memory (a
+  memory copy on CPU): a pusher's packing of its messages and unpacking of
+  the replies;
 - point-to-point: two processes (torch.distributed, gloo) sending messages of
   4 bytes and of one gradient back and forth: latency and bandwidth;
 - all-reduce: N processes all-reducing the same two sizes; the ring formula
@@ -196,6 +199,18 @@ def measure_accumulate(numel: int) -> float:
     return _timed(lambda: acc.add_(grad), 10)
 
 
+def measure_copy(numel: int, device: torch.device) -> float:
+    """Seconds of copying a gradient of `numel` floats from `device` into host memory, one thread."""
+    torch.set_num_threads(1)
+    src, dst = torch.randn(numel).to(device), torch.empty(numel)
+
+    def copy():
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return _timed(copy, 10)
+
+
 def repeated(measure, runs: int) -> tuple[Any, dict[str, float]]:
     """Call measure() `runs` times; each returns a dict of figures. Returns the median of
     each figure and its spread: (max - min) / median across the runs."""
@@ -227,10 +242,12 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         spreads.update({f"{name}.{k}": round(v, 4) for k, v in spread.items()})
         return median
 
-    cpu = kept("cpu", lambda: {"optimizer_s": measure_optimizer(cfg, numel), "accumulate_s": measure_accumulate(numel)})
+    cpu = kept("cpu", lambda: {"optimizer_s": measure_optimizer(cfg, numel), "accumulate_s": measure_accumulate(numel),
+                               "copy_s": measure_copy(numel, pick_device(cfg))})
     opt_s = cpu["optimizer_s"]
     say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient); "
-        f"accumulate: {cpu['accumulate_s'] * 1e3:.2f} ms ({nbytes / cpu['accumulate_s'] / 1e9:.2f} GB/s)")
+        f"accumulate: {cpu['accumulate_s'] * 1e3:.2f} ms ({nbytes / cpu['accumulate_s'] / 1e9:.2f} GB/s); "
+        f"copy to the host: {cpu['copy_s'] * 1e3:.2f} ms")
     device = "cpu"
 
     def one_replica() -> dict[str, float]:
@@ -275,7 +292,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
                    # Device memory is left unlimited (0) and unmeasured: on CPU the batch shares
                    # the host's RAM with everything else, no fixed device limit; on a GPU set
                    # device_memory, memory_base and memory_per_image by hand (nvidia-smi at two batches).
-                   optimizer_s=0.0 if gpu else opt_s,
+                   optimizer_s=0.0 if gpu else opt_s, host_copy_bandwidth=nbytes / cpu["copy_s"],
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
                    local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, ps_accumulate_rate=nbytes / cpu["accumulate_s"],
                    ps_overlap=False, shared_cores=0 if gpu else cores, compute_on_cores=not (gpu or emulated))

@@ -5,9 +5,10 @@ alpha-beta model). A node's network link carries bytes out and in at once,
 each at `net_bandwidth`; a transfer between two processes of one node (a PS
 alongside its node's worker) uses `local_bandwidth` and no network link. A
 synchronous PS shard adds each gradient into an accumulator (bytes /
-`ps_accumulate_rate` of CPU) and applies one update per version (bytes /
-`ps_apply_rate`), as TensorFlow's synchronous replicas and scaletrain's server
-both do; an asynchronous one applies every gradient. A one-thread shard
+`ps_accumulate_rate` of CPU) and applies one update per version: the sum's
+mean (one more pass at that rate) and the optimizer (bytes /
+`ps_apply_rate`), as TensorFlow's synchronous replicas and scaletrain's
+server both do; an asynchronous one applies every gradient. A one-thread shard
 (scaletrain's) also moves each of its messages itself, one after another.
 These formulas assume every replica runs at the same speed; uneven speeds,
 backups and asynchronous shards go to the event simulation (simulate.py).
@@ -110,7 +111,8 @@ def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
 
 
 def host_copy_s(p: Profile) -> float:
-    """A pusher on a device copying its gradient to the host (and as much back after the pull)."""
+    """A pusher copying its gradient into the messages to its shards, and as much back from the
+    replies after the pull: device to host on a GPU, a memory copy on a CPU host."""
     return p.gradient_bytes / p.host_copy_bandwidth if p.host_copy_bandwidth else 0.0
 
 
@@ -127,7 +129,7 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
     n_push = st.pushers
     out_b, in_b = _phase_bytes(st)
     acc_k = [n_push * s / p.ps_accumulate_rate for s in st.shard_bytes]
-    apply_k = [s / p.ps_apply_rate for s in st.shard_bytes]
+    apply_k = [sync_update_s(p, s) for s in st.shard_bytes]
     intra = intra_average_s(p, st) + intra_broadcast_s(p, st)
     parts = {"compute": p.compute_s, "intra-node": intra, "host copies": 2 * host_copy_s(p)}
     if p.ps_overlap:
@@ -146,7 +148,7 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
         ps_busy = [busy for _, busy in rounds]
     moved = 2 * n_push * sum(st.shard_bytes)  # every gradient and every reply, copied once each
     cpu = st.nodes * st.replicas * (p.compute_s * p.compute_on_cores + intra) + sum(acc_k) + sum(apply_k) + \
-        moved / p.local_bandwidth
+        moved / p.local_bandwidth + n_push * parts["host copies"]
     step = max(sum(parts.values()), shared_floor(p, cpu), loader_floor(p, st))
     # A node's link sends its pushes and its PS's replies, and receives as much.
     links = {f"node {a + 1}": out_b.get(a, 0.0) + in_b.get(a, 0.0) for a in sorted({*out_b, *in_b})}
@@ -154,6 +156,11 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
                    ps_cpu_util=max(ps_busy) / step, staleness_mean=0.0, staleness_p95=0.0)
     est.link_util = max(links.values(), default=0.0) / p.net_bandwidth / step
     return est
+
+
+def sync_update_s(p: Profile, nbytes: float) -> float:
+    """A synchronous shard's update of `nbytes`: the accumulated sum into its mean, then the optimizer."""
+    return nbytes / p.ps_accumulate_rate + nbytes / p.ps_apply_rate
 
 
 def serial_shard_s(p: Profile, st: Setup, k: int, ahead: float) -> tuple[float, float]:
@@ -166,7 +173,7 @@ def serial_shard_s(p: Profile, st: Setup, k: int, ahead: float) -> tuple[float, 
     move = [s / p.local_bandwidth + (p.net_latency if st.pusher_node(i) != st.ps_nodes[k] else 0.0)
             if st.pusher_node(i) == st.ps_nodes[k] or p.shared_cores else s / p.net_bandwidth + p.net_latency
             for i in range(st.pushers)]
-    takes = sum(move) + st.pushers * s / p.ps_accumulate_rate + s / p.ps_apply_rate
+    takes = sum(move) + st.pushers * s / p.ps_accumulate_rate + sync_update_s(p, s)
     return takes + max(move[0] + ahead, sum(move)), takes + sum(move)
 
 

@@ -42,8 +42,9 @@ class Profile:
     memory_per_image: int = opt(0, "bytes of training activations one image of image_size adds on the device",
                                 lo=0, hi=10**13)
     optimizer_s: float = opt(0.0, "seconds of one optimizer step on a replica's device (all-reduce)", lo=0.0, hi=1e5)
-    host_copy_bandwidth: float = opt(0.0, "bytes/s between a replica's device and its host: a PS pusher copies the "
-                                     "gradient out and the new values back (0: the replica computes on the host)",
+    host_copy_bandwidth: float = opt(0.0, "bytes/s of a PS pusher's copy of its gradient into its messages and of "
+                                     "the new values back from the replies: device to host on a GPU, a memory "
+                                     "copy on a CPU host (0: free)",
                                      lo=0.0, hi=1e15)
     intra_bandwidth: float = opt(1e10, "bytes/s between the replicas of a node (gradient averaging)", lo=1.0, hi=1e15)
     intra_latency: float = opt(1e-5, "seconds per message between the replicas of a node", lo=0.0, hi=10.0)

@@ -20,14 +20,15 @@ gradients) and uneven replica speeds (stragglers).
   costs bytes / ps_apply_rate of CPU, is applied at once, and the sender gets
   the new version. Sync: a gradient of the current version costs bytes /
   ps_accumulate_rate (summed into the accumulator); once `wait_for` are in,
-  one update (bytes / ps_apply_rate) and all contributors get the new
+  one update (the mean, then the optimizer: costs.sync_update_s) and all contributors get the new
   version; a gradient of an older version is dropped and its sender gets the
   current values. A one-thread shard (ps_overlap false, scaletrain's server)
   also moves every message itself: it receives a gradient only when it is
   free, and sends its replies one after another; a threaded one (true) works
   while the messages move.
-- A pusher on a device (host_copy_bandwidth) copies its gradient to the host
-  before pushing and the values back after the pull.
+- A pusher copies its gradient into its messages before pushing and the
+  values back from the replies after the pull (host_copy_bandwidth; device
+  to host on a GPU, a memory copy, holding a core, on a shared host).
 - On a shared host every piece of work (compute unless compute_on_cores is
   false, averaging, copies, a shard's CPU) holds one of the host's cores
   while it runs; background loaders hold none (see costs.shared_floor).
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor
+from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor, sync_update_s
 from .profile import Profile
 from .setup import Setup
 
@@ -140,15 +141,15 @@ class _Sim:
             ready = env.now + feed
             yield env.all_of([env.process(self.compute(t, slow)) for t in times])
             self.computing += env.now - t0
-            if copy:  # the gradient from the device to the host
-                yield env.timeout(copy)
+            if copy:  # the gradient into the messages (from the device to the host on a GPU)
+                yield from self.work(copy)
             if intra:
                 yield from self.on_node(intra, reps)
             pushes = [env.process(self.push(node, k, seen[k])) for k in range(len(seen))]
             got = yield env.all_of(pushes)
             seen = [got[e] for e in pushes]
-            if copy:  # the new values back to the device
-                yield env.timeout(copy)
+            if copy:  # the new values out of the replies (back to the device)
+                yield from self.work(copy)
             if share:
                 yield from self.on_node(share, reps)
             self.done.append((env.now, reps * p.batch_per_replica))
@@ -197,7 +198,7 @@ class _Sim:
                 yield from busy(self.work(nbytes / p.ps_accumulate_rate))
                 pending.append((reply, node))
                 if len(pending) >= st.wait_for:
-                    yield from busy(self.work(nbytes / p.ps_apply_rate))
+                    yield from busy(self.work(sync_update_s(p, nbytes)))
                     self.version[k] += 1
                     self.stale += [0] * len(pending)
                     done, pending = pending, []

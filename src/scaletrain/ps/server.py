@@ -184,8 +184,8 @@ class Shard:
             self._record(src, self.version - version)
             self._apply(grad, self.push_images)
             self._reply([src])
-        elif version == self.version:
-            self.acc += grad
+        elif version == self.version:  # the first of a version is copied in: no pass to zero the sum
+            self.acc.add_(grad) if self.pending else self.acc.copy_(grad)
             self.pending.append(src)
             self._maybe_apply()
         else:  # computed on a version already applied: too late
@@ -198,8 +198,8 @@ class Shard:
         if self.pending and len(self.pending) >= min(self.wait_for, len(self.active), left):
             for src in self.pending:
                 self._record(src, 0)
-            self._apply(self.acc.div_(len(self.pending)), len(self.pending) * self.push_images)  # in place: no new
-            self.acc.zero_()  # tensor (and its page faults) per update
+            # In place: a new tensor of the shard's size every update would cost its page faults.
+            self._apply(self.acc.div_(len(self.pending)), len(self.pending) * self.push_images)
             senders, self.pending = self.pending, []
             self._reply(senders)
 
