@@ -193,8 +193,10 @@ def role_pid(run_dir, role, index):
 @pytest.mark.parametrize("strategy", ["mixed-async", "async", "backup"])
 def test_an_asynchronous_job_goes_on_without_a_lost_worker_node(tmp_path, env, strategy):
     run_dir = tmp_path / "run"
+    # Steps of an emulated 0.1 s: the two nodes left need about 13 s for the rest of the target,
+    # longer than noticing the loss takes (TIMEOUT_S), however fast this host moves the gradients.
     sets = [f"strategy.name={strategy}", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100",
-            "strategy.backup_workers=1"]
+            "strategy.backup_workers=1", "train.emulate_compute_s=0.1"]
     p = start(run_dir, env, *sets)
     procs = wait_training(p, run_dir, 4)
     rank, pid = role_pid(run_dir, "worker", 2)  # node 3's worker; the PS lives on node 2

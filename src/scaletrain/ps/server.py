@@ -184,8 +184,11 @@ class Shard:
             self._record(src, self.version - version)
             self._apply(grad, self.push_images)
             self._reply([src])
-        elif version == self.version:  # the first of a version is copied in: no pass to zero the sum
-            self.acc.add_(grad) if self.pending else self.acc.copy_(grad)
+        elif version == self.version:
+            if self.pending:
+                self.acc.add_(grad)
+            else:  # the first of a version is copied in: no pass to zero the sum
+                self.acc.copy_(grad)
             self.pending.append(src)
             self._maybe_apply()
         else:  # computed on a version already applied: too late
