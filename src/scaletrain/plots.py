@@ -145,7 +145,9 @@ def bench_plots(rows: list[dict], out: Path, made: list) -> None:
         _titled(ax, name, series)
         ax.set_xlabel("worker nodes")
         ax.set_xticks(sorted({r["nodes"] for r in g}))
-        ax.set_ylim(bottom=0)
+    # Once every panel is drawn: the panels share the y axis, and a limit set from the first would
+    # freeze its top there and cut the higher points of the others.
+    axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("images/s (all replicas)")
     _save(fig, out, "throughput.png", made, "Throughput against worker nodes, one panel per strategy; dotted: "
           "the baseline, 1 node with no distribution")
