@@ -20,9 +20,9 @@ gradients) and uneven replica speeds (stragglers).
   costs bytes / ps_apply_rate of CPU, is applied at once, and the sender gets
   the new version. Sync: a gradient of the current version costs bytes /
   ps_accumulate_rate (summed into the accumulator); once `wait_for` are in,
-  one update (the mean, then the optimizer: costs.sync_update_s) and all contributors get the new
-  version; a gradient of an older version is dropped and its sender gets the
-  current values. A one-thread shard (ps_overlap false, scaletrain's server)
+  one update (the mean, then the optimizer: costs.sync_update_s) and all
+  contributors get the new version; a gradient of an older version is
+  dropped and its sender gets the current values. A one-thread shard (ps_overlap false, scaletrain's server)
   also moves every message itself: it receives a gradient only when it is
   free, and sends its replies one after another; a threaded one (true) works
   while the messages move.

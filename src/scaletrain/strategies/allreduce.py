@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from .base import Strategy, Tick
 
@@ -20,7 +20,7 @@ def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what:
     are given, as a ring all-reduce moves them: 2(n-1)/n of the buffer sent and
     received by each process.
     """
-    flat = _flatten_dense_tensors(tensors) if out is None else torch.cat([t.reshape(-1) for t in tensors], out=out)
+    flat = torch.cat([t.reshape(-1) for t in tensors], out=out)
     with counters.timed(what) if counters else nullcontext():
         dist.all_reduce(flat, group=group)  # collective; blocks until every member joins
     flat /= size
@@ -48,7 +48,7 @@ class AllReduce(Strategy):
             flag = torch.full((1,), float(bool(self.ctx.requests)), device=self.params[0].device)
             grads = self.grads() + [flag]
             average_(grads, self.ctx.workers_group, self.world, self.counters, "comm_s",
-                     self.buffer("grads", sum(g.numel() for g in grads), flag.dtype, flag.device))
+                     self.buffer("grads", self.numel + 1, flag.dtype, flag.device))
             asked = bool(flag.item())  # host-device sync on GPU
         self.set_lr(lr)
         self.optimizer.step()

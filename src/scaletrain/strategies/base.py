@@ -56,6 +56,7 @@ class Strategy:
                  schedule: Schedule) -> None:
         self.cfg, self.ctx, self.model, self.optimizer, self.schedule = cfg, ctx, model, optimizer, schedule
         self.params = [p for p in model.parameters()]
+        self.numel = sum(p.numel() for p in self.params)  # parameters (and gradients) end to end
         self._buffers: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self.images = 0  # where every replica applies every update: the job's progress

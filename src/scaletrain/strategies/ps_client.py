@@ -77,7 +77,7 @@ class PSClient(Strategy):
 
     def _flat(self, name: str) -> torch.Tensor:
         """A buffer for all the parameters (or gradients) end to end."""
-        return self.buffer(name, sum(p.numel() for p in self.params), self.params[0].dtype, self.params[0].device)
+        return self.buffer(name, self.numel, self.params[0].dtype, self.params[0].device)
 
     def _exchange(self, msgs: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Send (shard, header, payload) messages and receive each shard's reply into the
