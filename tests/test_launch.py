@@ -5,6 +5,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -232,3 +233,21 @@ def test_slurm_time_limits():
         [300, 330, 3600, 2 * 86400 + 3 * 3600, 2 * 86400 + 3 * 3600 + 240, 2 * 86400 + 3 * 3600 + 245, None]
     with pytest.raises(LaunchError, match="--time '1h'"):
         time_seconds("1h")
+
+
+def test_the_launcher_names_the_chief_when_every_process_ended_before_it_looked(tmp_path):
+    """Killing the chief ends the others within a moment (its store is gone): the launcher's
+    last look must still see the kill, not report a finished job."""
+    from scaletrain.dist import EXIT_PEER
+    from scaletrain.launch.local import _watch
+
+    plan = make_plan(ClusterConfig(nodes=2, gpus_per_node=1, num_ps=1), ps_required=True)  # worker 0, PS, worker 1
+    (tmp_path / "logs").mkdir()
+    codes = ["import os, signal; os.kill(os.getpid(), signal.SIGKILL)", f"raise SystemExit({EXIT_PEER})",
+             f"raise SystemExit({EXIT_PEER})"]
+    procs = [subprocess.Popen([sys.executable, "-c", c]) for c in codes]
+    for p in procs:
+        p.wait()
+    assert _watch(plan, procs, 5.0, tmp_path, ("SIGTERM",)) == 1
+    failure = json.loads((tmp_path / "logs" / "failure.json").read_text())
+    assert failure["rank"] == 0 and "worker 0 on node 1) was killed by signal SIGKILL" in failure["what"]

@@ -142,7 +142,8 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
     frozen: list[int] = []
     spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
     with _Forward(procs, stop_signals) as fwd:
-        while any(p.poll() is None for p in procs):
+        while True:
+            running = any(p.poll() is None for p in procs)  # taken first: the last sweep sees every exit
             now = time.time()
             dropped = read_ranks(run_dir, "dropped")
             _stop([procs[r] for r in dropped], signal.SIGKILL)  # frozen, or woken too late: the job went on
@@ -169,6 +170,8 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
                 _stop(procs, signal.SIGKILL)
             if failed is not None and now - failed[1] > grace:
                 _stop(procs, signal.SIGKILL)
+            if not running:
+                break
             time.sleep(0.2)
     if fwd.killed:
         print("scaletrain: stopped at once by a second signal: no checkpoint at this step", file=sys.stderr)
