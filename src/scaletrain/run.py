@@ -65,8 +65,10 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     while True:
         failure.unlink(missing_ok=True)
         rc = start(cfg, run_dir, resume=resume, progress=progress)
-        if rc == 0:
+        if rc == 0 and (run_dir / "summary.json").exists():
             return json.loads((run_dir / "summary.json").read_text())
+        if rc == 0:
+            raise RunError(f"every process ended, but none wrote {run_dir / 'summary.json'}; logs in {run_dir / 'logs'}")
         if rc in (EXIT_STOPPED, 130):  # the launcher saw every process stop on request
             raise (KeyboardInterrupt if rc == 130 else Stopped)(_where(run_dir))
         culprit = json.loads(failure.read_text()) if failure.exists() else {"what": f"exit status {rc}"}
