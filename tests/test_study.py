@@ -227,9 +227,11 @@ def test_bench_runs_the_missing_baseline_first(tmp_path):
 
 def test_bench_repeats_report_the_spread_across_runs(tmp_path, capsys):
     out = tmp_path / "rep"
-    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "optim.lr=0.05",
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--grid", "optim.lr=0.05,0.1",
                  "--warmup", "2", "--steps", "8", "--repeats", "3", "--out", str(out)]) == 0
-    (r,) = json.loads((out / "bench-rows.json").read_text())
+    r, other = json.loads((out / "bench-rows.json").read_text())
+    order = sorted(r["run_dirs"] + other["run_dirs"], key=lambda d: (out / d / "summary.json").stat().st_mtime_ns)
+    assert order == [d for j in range(3) for d in (r["run_dirs"][j], other["run_dirs"][j])]  # pass after pass
     runs = [json.loads((out / d / "summary.json").read_text()) for d in r["run_dirs"]]
     assert len({*r["run_dirs"]}) == 3 and r["run_dir"] == r["run_dirs"][0]
     assert r["images_per_sec_runs"] == [s["images_per_sec"] for s in runs]

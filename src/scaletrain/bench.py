@@ -10,10 +10,12 @@ OUT/bench.md. Speedup is against one node with no distribution
 (figures.BASELINE, every other key the same): where the grid lacks that
 cell, it runs first, once per distinct set of other keys, as a row marked
 `added_baseline`. A cell that cannot run (e.g. an impossible placement) is a
-row with its error; the others still run. With --repeats R each cell runs R
-times back to back (OUT/cells/NAME-runJ): the row's images/s is the mean over
-runs, its standard error that of the mean of the runs' own, and
-images_per_sec_runs / images_per_sec_run_stderr (std across runs / sqrt(R))
+row with its error; the others still run. With --repeats R the grid runs R
+times over, pass after pass, so that a slow spell of a shared host falls on
+every cell alike rather than on a few (OUT/cells/NAME-runJ; a cell whose run
+fails is not run again, and rows are written in the last pass): the row's
+images/s is the mean over runs, its standard error that of the mean of the
+runs' own, and images_per_sec_runs / images_per_sec_run_stderr (std across runs / sqrt(R))
 show how much separate runs differ, which log windows of one run cannot.
 """
 
@@ -89,20 +91,15 @@ def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, 
     return summary
 
 
-def measure(recipe: str, sets: list[str], out: Path, name: str, repeats: int,
+def combine(runs: list[tuple[dict[str, Any], dict[str, Any] | None]], repeats: int,
             row: dict[str, Any]) -> dict[str, Any] | None:
-    """run_cell `repeats` times (OUT/cells/NAME, or NAME-runJ with repeats): the first run's summary
-    with images_per_sec the mean over runs and images_per_sec_stderr the standard error of that
-    mean from the runs' own; the spread across runs goes to row. None with row["error"] set when a
-    run failed (the cell stops repeating: a mean of the runs that worked would hide it)."""
+    """A cell's runs (each run_cell's row part and summary) as one: the first run's summary with
+    images_per_sec the mean over runs and images_per_sec_stderr the standard error of that mean
+    from the runs' own; the spread across runs goes to row. None with row["error"] set when a run
+    failed (the cell stopped repeating: a mean of the runs that worked would hide it)."""
     if repeats == 1:
-        return run_cell(recipe, sets, out, name, row)
-    runs: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
-    for j in range(repeats):
-        part: dict[str, Any] = {}
-        runs.append((part, run_cell(recipe, sets, out, f"{name}-run{j + 1}", part)))
-        if runs[-1][1] is None:
-            break
+        row.update(runs[0][0])
+        return runs[0][1]
     row.update(run_dir=runs[0][0]["run_dir"], run_dirs=[p["run_dir"] for p, _ in runs],
                wall_seconds=sum(p["wall_seconds"] for p, _ in runs))
     if runs[-1][1] is None:
@@ -143,24 +140,33 @@ def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
     plan = [(c, d, True) for c, d in extra] + [(c, d, False) for c, d in plan]
     timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", *IMPOSED,
               f"train.log_every={max(1, steps // 8)}"]
+    runs: list[list] = [[] for _ in plan]  # per cell, (row part, summary) of each pass
     rows = []
     with open(out / "bench.jsonl", "w") as fh:
-        for i, (cell, data, added) in enumerate(plan):
-            label = ("baseline: " if added else "") + ", ".join(f"{k}={v}" for k, v in cell.items()) + \
-                ("" if data == "real" else " (synthetic data)")
-            print(f"[{i + 1}/{len(plan)}] {label}", flush=True)
-            sets = [*overrides, *(f"{k}={v}" for k, v in cell.items()), *timing,
-                    *(["data.name=synthetic"] if data == "synthetic" else [])]
-            row: dict[str, Any] = {"cell": cell, "data": data, "label": label}
-            if added:
-                row["added_baseline"] = True
-            s = measure(recipe, sets, out, cell_name(i, cell, data), repeats, row)
-            if s is not None:
-                row.update({k: s.get(k) for k in KEEP})
-                row["config"] = _config(out / row["run_dir"])
-            rows.append(row)
-            fh.write(json.dumps(row) + "\n")
-            fh.flush()
+        for j in range(repeats):  # pass after pass, so that a slow spell of the host spreads over the cells
+            for i, (cell, data, added) in enumerate(plan):
+                label = ("baseline: " if added else "") + ", ".join(f"{k}={v}" for k, v in cell.items()) + \
+                    ("" if data == "real" else " (synthetic data)")
+                if not runs[i] or runs[i][-1][1] is not None:
+                    print(f"[{i + 1}/{len(plan)}]{f' pass {j + 1}/{repeats}' if repeats > 1 else ''} {label}",
+                          flush=True)
+                    sets = [*overrides, *(f"{k}={v}" for k, v in cell.items()), *timing,
+                            *(["data.name=synthetic"] if data == "synthetic" else [])]
+                    name = cell_name(i, cell, data) + (f"-run{j + 1}" if repeats > 1 else "")
+                    part: dict[str, Any] = {}
+                    runs[i].append((part, run_cell(recipe, sets, out, name, part)))
+                if j < repeats - 1:
+                    continue
+                row: dict[str, Any] = {"cell": cell, "data": data, "label": label}
+                if added:
+                    row["added_baseline"] = True
+                s = combine(runs[i], repeats, row)
+                if s is not None:
+                    row.update({k: s.get(k) for k in KEEP})
+                    row["config"] = _config(out / row["run_dir"])
+                rows.append(row)
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
     rows = figures.add_scaling(rows)
     publish(out, "bench", rows, figures.scaling_table(rows), progress)
     return rows

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (default 10)")
     b.add_argument("--steps", type=int, default=40, help="measured steps (default 40)")
     b.add_argument("--repeats", type=int, default=1,
-                   help="runs of each cell (default 1); with more, the table shows the spread across runs too")
+                   help="passes over the grid, each cell run once a pass (default 1); with more, the table shows "
+                        "the spread across runs too")
     b.add_argument("--out", help="output directory (default runs/bench-TIME)")
     b.add_argument("--pair-synthetic", action="store_true",
                    help="also run each cell on synthetic data, to show what the input pipeline costs")
