@@ -6,8 +6,9 @@ compute and pushes a fixed gradient of the model's real size, while every
 transfer, PS and optimizer step is real; see README, "Emulated GPUs"):
 
 1. `scaletrain calibrate` measures a profile here (real processes, gloo; each
-   figure the median of 3 runs, with its spread);
-2. `scaletrain bench` measures 12 configurations: 2 and 3 nodes x 2 replicas;
+   figure the median of 3 rounds, with its spread);
+2. `scaletrain bench` measures 12 configurations (plain: the mean of 3 passes
+   over the grid; emulated: one): 2 and 3 nodes x 2 replicas;
    allreduce, sync with 1 PS alongside or 2 dedicated, mixed-async with 1 or
    2 PS, async; then sync and backup (b = 1) on 3 nodes with node 1 slowed;
 3. `scaletrain predict --validate` sets the predictions against the bench:
@@ -16,7 +17,7 @@ transfer, PS and optimizer step is real; see README, "Emulated GPUs"):
 Then profiles/study-k80.toml predicts the study's 4-worker configurations and
 sync against mixed-async at 2 to 16 nodes.
 
-Prints one JSON object (about 12 minutes on two quiet cores).
+Prints one JSON object (about 20 minutes on two quiet cores).
 
     python benchmarks/perfmodel.py [--out runs/perfmodel] [--steps 30] [--regimes plain emulated]
 """
@@ -42,10 +43,14 @@ COMMON = ["data.workers=0", "optim.warmup_steps=0", "cluster.gpus_per_node=2"]
 # Emulated: ResNet-18's 45 MB gradient and 0.12 s a step, so that moving and applying the
 # gradient weigh against compute about as in the study (benchmarks/emulated.py says how).
 EMULATED_T = 0.12
-REGIMES = {"plain": ([], 0.1),
+# Per regime: its settings, the slowed node's extra seconds a step, and the bench's passes over
+# the grid. Plain steps take tens of milliseconds and follow this host's slow and fast spells,
+# which last minutes: three passes spread those over every cell (and calibrate measures in
+# rounds for the same reason). Emulated steps are mostly sleep, and one pass reproduces.
+REGIMES = {"plain": ([], 0.1, 3),
            "emulated": (["model.name=resnet18", "data.image_size=32", "train.eval_every=0",
                          f"train.emulate_compute_s={EMULATED_T}"],
-                        2 * EMULATED_T)}
+                        2 * EMULATED_T, 1)}
 GRID = ["cluster.nodes=2,3",
         "strategy.name+cluster.num_ps+cluster.ps_placement=allreduce:0:alongside,sync:1:alongside,"
         "sync:2:dedicated,mixed-async:1:alongside,mixed-async:2:alongside,async:1:alongside"]
@@ -67,9 +72,9 @@ def grids_of(items: list[str]) -> list[str]:
 
 
 def regime(name: str, out: Path, steps: int) -> dict:
-    extra, slow_s = REGIMES[name]
+    extra, slow_s, passes = REGIMES[name]
     sets = sets_of(COMMON + extra)
-    bench = ["--warmup", "5", "--steps", str(steps)]
+    bench = ["--warmup", "5", "--steps", str(steps), "--repeats", str(passes)]
     prof = out / "local.toml"
     with stdout_to_stderr():
         rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--out", str(prof)])

@@ -419,6 +419,11 @@ def test_calibrate_bench_validate_report(tmp_path):
     p, about = load_profile(prof)
     assert p.model == "resnet8" and p.gradient_bytes == 4 * 78042 and p.compute_s > 0 and p.shared_cores >= 1
     assert 0 <= p.compute_base_s < p.compute_s and p.device_memory == 0
+    # Every figure once a round, three rounds: the spreads are across rounds.
+    assert [x.split(":")[0].strip() for x in r.stdout.splitlines() if x.startswith("  round")] == \
+        [f"round {j} of 3" for j in (1, 2, 3)], r.stdout
+    assert {"cpu.optimizer_s", "cpu.copy_s", "job1.step_s", "job1_other_batch.step_s", "job2.step_s",
+            "ps_job.step_s"} <= set(about["spread"]) and about["runs"] == 3
     bench = tmp_path / "bench"
     r = run("bench", "--recipe", "recipes/digits.toml", *sets, "--grid", "cluster.nodes=1,2",
             "--grid", "strategy.name+cluster.num_ps=allreduce:0,mixed-async:1", "--warmup", "3", "--steps", "12",

@@ -26,9 +26,11 @@
   factor (never below 1) that makes the model's step of that job the
   measured one.
 
-Each figure is the median of several runs (separate jobs and process pairs):
-loopback timings on a loaded host move between runs, and one run would decide
-the profile. The profile's [about] table records each figure's spread.
+Each figure is the median of several rounds, each of which measures every
+figure once (separate jobs and process pairs): loopback timings on a loaded
+host move between runs, in spells that last minutes, and one run, or three
+taken back to back, would decide the profile. The profile's [about] table
+records each figure's spread.
 
 Without a GPU every process of a local job shares this host's cores
 (shared_cores = the core count) and nodes talk through loopback, so the
@@ -211,77 +213,86 @@ def measure_copy(numel: int, device: torch.device) -> float:
     return _timed(copy, 10)
 
 
-def repeated(measure, runs: int) -> tuple[Any, dict[str, float]]:
-    """Call measure() `runs` times; each returns a dict of figures. Returns the median of
-    each figure and its spread: (max - min) / median across the runs."""
-    results = [measure() for _ in range(runs)]
-    median = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    spread = {k: (max(r[k] for r in results) - min(r[k] for r in results)) / median[k] if median[k] else 0.0
-              for k in median}
-    return median, spread
+def rounds(measures: dict[str, Any], runs: int, say=print) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Call every measure (name -> fn returning a dict of figures) once a round, for `runs`
+    rounds, so that a slow spell of the host falls on every figure alike. Returns each
+    figure's median over the rounds, and its spread: (max - min) / median, keyed NAME.FIGURE."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in measures}
+    for j in range(runs):
+        say(f"  round {j + 1} of {runs}: " + ", ".join(measures))
+        for name, measure in measures.items():
+            results[name].append(measure())
+    medians, spreads = {}, {}
+    for name, rs in results.items():
+        medians[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for k, m in medians[name].items():
+            spreads[f"{name}.{k}"] = round((max(r[k] for r in rs) - min(r[k] for r in rs)) / m if m else 0.0, 4)
+    return medians, spreads
 
 
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print) -> tuple[Profile, dict]:
-    """Every figure is measured in `runs` separate runs (jobs and process pairs started
-    afresh); the profile holds the medians and its [about] table each figure's spread."""
+    """Every figure is measured in `runs` rounds (jobs and process pairs started afresh each
+    time, every figure once a round); the profile holds the medians and its [about] table each
+    figure's spread."""
+    from .costs import ring_allreduce_s
     from .setup import param_numels
     from ..train import pick_device
 
     numel = sum(param_numels(cfg.model))
     nbytes = 4 * numel
     gpu = pick_device(cfg).type == "cuda"
+    emulated = cfg.train.emulate_compute_s > 0
     cores = os.cpu_count() or 1
     n = max(2, min(4, torch.cuda.device_count() if gpu else cores))
     backend = "nccl" if gpu and n <= torch.cuda.device_count() else "gloo"
+    big = max(numel, BIG_MIN)
+    b_ref = cfg.data.batch_size
+    b_other = b_ref // 2 if b_ref > 1 else 2
     say(f"calibrate: {cfg.model.name}, {numel:,} parameters ({nbytes / 1e6:.2f} MB of gradient), "
-        f"each figure the median of {runs} runs")
-    spreads: dict[str, float] = {}
+        f"each figure the median of {runs} rounds")
+    device = "cpu"
 
-    def kept(name: str, measure) -> dict[str, float]:
-        median, spread = repeated(measure, runs)
-        spreads.update({f"{name}.{k}": round(v, 4) for k, v in spread.items()})
-        return median
+    def job(c: Config, replicas: int, **shape) -> dict[str, float]:
+        nonlocal device
+        seconds, device = measure_job(c, replicas, warmup, steps, **shape)
+        return {"step_s": seconds}
 
-    cpu = kept("cpu", lambda: {"optimizer_s": measure_optimizer(cfg, numel), "accumulate_s": measure_accumulate(numel),
-                               "copy_s": measure_copy(numel, pick_device(cfg))})
+    measures: dict[str, Any] = {
+        "cpu": lambda: {"optimizer_s": measure_optimizer(cfg, numel), "accumulate_s": measure_accumulate(numel),
+                        "copy_s": measure_copy(numel, pick_device(cfg))},
+        "job1": lambda: job(cfg, 1),
+        # A second batch (half the recipe's, or 2 for a batch of 1) gives the part of compute that
+        # does not grow with the batch; the optimizer step, in both, does not move the slope. An
+        # emulated step sleeps the same whatever the batch.
+        **({} if emulated else {"job1_other_batch": lambda: job(cfg.replace(**{"data.batch_size": b_other}), 1)}),
+        "p2p": lambda: measure_comm(2, big),
+        **({} if n == 2 and backend == "gloo" else {"allreduce": lambda: measure_comm(n, big, backend)}),
+        **({} if gpu else {"job2": lambda: job(cfg, 2), "ps_job": lambda: job(cfg, 1, **PS_JOB)}),
+    }
+    m, spreads = rounds(measures, runs, say)
+    cpu = m["cpu"]
     opt_s = cpu["optimizer_s"]
     say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient); "
         f"accumulate: {cpu['accumulate_s'] * 1e3:.2f} ms ({nbytes / cpu['accumulate_s'] / 1e9:.2f} GB/s); "
         f"copy to the host: {cpu['copy_s'] * 1e3:.2f} ms")
-    device = "cpu"
-
-    def one_replica() -> dict[str, float]:
-        nonlocal device
-        seconds, device = measure_job(cfg, 1, warmup, steps)
-        return {"step_s": seconds}
-
-    step_s = kept("job1", one_replica)["step_s"]
+    step_s = m["job1"]["step_s"]
     compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
     say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
-    emulated = cfg.train.emulate_compute_s > 0
     compute_base = 0.0
-    if not emulated:  # an emulated step sleeps the same whatever the batch
-        # A second batch (half the recipe's, or 2 for a batch of 1) gives the part of compute that
-        # does not grow with the batch; the optimizer step, in both, does not move the slope.
-        b_ref = cfg.data.batch_size
-        b_other = b_ref // 2 if b_ref > 1 else 2
-        other_s = kept("job1_other_batch", lambda: {"step_s": measure_job(
-            cfg.replace(**{"data.batch_size": b_other}), 1, warmup, steps)[0]})["step_s"]
+    if not emulated:
+        other_s = m["job1_other_batch"]["step_s"]
         compute_base, _ = batch_line(b_ref, compute_s, b_other, max(other_s - (0.0 if gpu else opt_s), 1e-6))
         say(f"  at batch {b_other}: {other_s * 1e3:.2f} ms; {compute_base * 1e3:.2f} ms of compute do not "
             f"grow with the batch")
-    big = max(numel, BIG_MIN)
-    p2p = kept("p2p", lambda: measure_comm(2, big))
+    p2p = m["p2p"]
     lat, bw = alpha_beta(p2p[f"p2p_{SMALL}"], p2p[f"p2p_{big}"], 4 * big)
     say(f"  point-to-point (gloo, loopback): latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
-    ar = p2p if n == 2 and backend == "gloo" else kept("allreduce", lambda: measure_comm(n, big, backend))
+    ar = m.get("allreduce", p2p)
     ilat, ibw = ring_alpha_beta(n, ar[f"ar_{SMALL}"], ar[f"ar_{big}"], 4 * big)
     say(f"  all-reduce over {n} of {4 * big / 1e6:.0f} MB: {ar[f'ar_{big}'] * 1e3:.2f} ms; latency {ilat * 1e6:.0f} us, "
         f"{ibw / 1e9:.2f} GB/s")
     if not gpu:
-        from .costs import ring_allreduce_s
-
-        job_s = kept("job2", lambda: {"step_s": measure_job(cfg, 2, warmup, steps)[0]})["step_s"]
+        job_s = m["job2"]["step_s"]
         alone = ring_allreduce_s(2, nbytes, ibw, ilat)
         load = max(1.0, (job_s - compute_s - opt_s) / alone)
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")
@@ -302,7 +313,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
              + (f"; compute emulated: train.emulate_compute_s = {cfg.train.emulate_compute_s}" if emulated else ""),
              "spread": spreads}
     if not gpu:
-        ps_s = kept("ps_job", lambda: {"step_s": measure_job(cfg, 1, warmup, steps, **PS_JOB)[0]})["step_s"]
+        ps_s = m["ps_job"]["step_s"]
         f = fit_transfer_load(prof, cfg, ps_s)
         say(f"  2-node sync job with 1 PS: {ps_s * 1e3:.2f} ms a step; transfers {f:.2f} x the microbenchmark's")
         prof = replace(prof, net_latency=lat * f, net_bandwidth=bw / f, local_bandwidth=bw / f)
