@@ -99,6 +99,7 @@ def regime(name: str, out: Path, steps: int) -> dict:
                   "bottleneck": r["bottleneck"]} for r in validated["rows"]],
         "configurations": len(validated["rows"]),
         "median_abs_error": round(validated["median_abs_error"], 4),
+        "speedup_median_abs_error": round(validated["speedup_median_abs_error"], 4),
         "staleness_median_abs_error": validated["staleness_median_abs_error"],
     }
 

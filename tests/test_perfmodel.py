@@ -442,6 +442,10 @@ def test_calibrate_bench_validate_report(tmp_path):
         assert row["measured_speedup"] == pytest.approx(row["measured"] / base["measured"])
         assert row["predicted_speedup"] == pytest.approx(row["predicted"] / base["predicted"])
     assert out["median_abs_error"] == pytest.approx(statistics.median(abs(x["rel_error"]) for x in out["rows"]))
+    others = [x for x in out["rows"] if (x["strategy"], x["nodes"]) != ("allreduce", 1)]
+    assert [x["baseline"] for x in out["rows"]].count(True) == 1 and len(others) == 3
+    assert out["speedup_median_abs_error"] == pytest.approx(
+        statistics.median(abs(x["predicted_speedup"] / x["measured_speedup"] - 1) for x in others))
     assert (bench / "validate.md").exists()
     r = run("report", str(bench), "--out", str(tmp_path / "report"))
     assert r.returncode == 0, r.stderr

@@ -49,8 +49,8 @@ def add_parsers(sub) -> None:
     ca.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ca.add_argument("--out", type=Path, default=Path("profiles/local.toml"))
     ca.add_argument("--steps", type=int, default=30, help="measured training steps (default 30)")
-    ca.add_argument("--runs", type=int, default=3, help="runs of each measurement; the profile holds the medians "
-                    "(default 3)")
+    ca.add_argument("--runs", type=int, default=3, help="rounds, each measuring every figure once; the profile "
+                    "holds the medians (default 3)")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -210,6 +210,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
             measured = row["images_per_sec"]
             out.append({**{k: row.get(k) for k in ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps",
                                                    "ps_placement", "cell", "label")},
+                        "baseline": figures.is_baseline(cfg.flat()),
                         "measured": measured, "predicted": pred["images_per_sec"],
                         "rel_error": pred["images_per_sec"] / measured - 1, "bottleneck": pred["bottleneck"],
                         "measured_speedup": row["speedup"], "measured_speedup_stderr": row["speedup_stderr"],
@@ -246,6 +247,15 @@ def staleness_errors(rows: list[dict[str, Any]]) -> list[float]:
             if r.get("staleness_mean_measured") and r.get("staleness_mean_predicted") is not None]
 
 
+def speedup_errors(rows: list[dict[str, Any]]) -> list[float]:
+    """Relative error of the predicted speedup over the rows other than the baselines (1 on both
+    sides by definition). Each speedup is over the baseline of its own bench, measured in the same
+    sweep: unlike throughput, it does not follow a host that runs slower or faster than it did
+    when the profile was calibrated."""
+    return [r["predicted_speedup"] / r["measured_speedup"] - 1 for r in rows
+            if not r.get("baseline") and r.get("measured_speedup") and r.get("predicted_speedup") is not None]
+
+
 def validate_main(args, prof) -> int:
     try:
         rows = validate_rows(args.validate, prof, args.profile)
@@ -256,13 +266,18 @@ def validate_main(args, prof) -> int:
     median = statistics.median(abs(r["rel_error"]) for r in rows)
     stale = staleness_errors(rows)
     stale_median = statistics.median(abs(e) for e in stale) if stale else None
+    speed = speedup_errors(rows)
+    speed_median = statistics.median(abs(e) for e in speed) if speed else None
     out = args.out or args.validate[0]
     out.mkdir(parents=True, exist_ok=True)
     text = validate_table(rows) + "\n\nStaleness, p95 and dropped gradients: measured / predicted.\n" + \
         f"Median absolute throughput error over {len(rows)} configurations: {median:.1%}\n" + \
+        ("" if speed_median is None else
+         f"Median absolute error of the speedup over {len(speed)} beside the baselines: {speed_median:.1%}\n") + \
         ("" if stale_median is None else
          f"Median absolute error of the mean staleness over {len(stale)} with stale gradients: {stale_median:.1%}\n")
-    summary = {"median_abs_error": median, "staleness_median_abs_error": stale_median, "rows": rows}
+    summary = {"median_abs_error": median, "speedup_median_abs_error": speed_median,
+               "staleness_median_abs_error": stale_median, "rows": rows}
     (out / "validate.md").write_text(text)
     (out / "validate-rows.json").write_text(json.dumps({"profile": str(args.profile), **summary}, indent=1) + "\n")
     if args.format == "json":
