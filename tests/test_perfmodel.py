@@ -56,6 +56,27 @@ def test_allreduce_step_uses_network_ring_across_nodes():
     assert one.step_s == pytest.approx(1.0 + 2 * 3 * (1e-3 + G / 4 / 1e7) + 0.01)
 
 
+def test_async_allreduce_steps_at_compute_and_rounds_last_whole_steps():
+    # 2 nodes x 2 replicas; the network ring takes 6 x (0.01 + 0.25) = 1.56 s, a replica's step 1.0 s
+    # of compute and 0.01 s adding its gradient (accumulate rate 1e8): a round lasts 2 steps.
+    toy = replace(TOY, ps_accumulate_rate=1e8)
+    st = make_setup(cfg_of("async-allreduce", nodes=2, gpus=2), toy)
+    est = costs.async_allreduce(toy, st)
+    assert est.step_s == pytest.approx(1.0 + 0.01 + 0.01 / 2)  # the optimizer once a round
+    assert est.gradients_per_update == 2 * 4 and est.staleness_mean == 1.0
+    assert est.images_per_sec > costs.allreduce(toy, st).images_per_sec  # no replica waits for the ring
+    fast = replace(toy, net_bandwidth=1e12, net_latency=0.0)  # instant rings: one gradient per replica
+    est = costs.async_allreduce(fast, st)
+    assert est.gradients_per_update == 4 and est.step_s == pytest.approx(1.0 + 0.01 + 0.01)
+    slowed = make_setup(cfg_of("async-allreduce", nodes=2, gpus=2, strategy__slow_node=1,
+                               strategy__slow_delay_s=1.02), fast)
+    # node 2 steps twice as slowly: it adds half the gradients, and holds no one back
+    assert costs.async_allreduce(fast, slowed, slow=1.02).images_per_sec == pytest.approx(
+        0.75 * est.images_per_sec)
+    row = predict(cfg_of("async-allreduce", nodes=2, gpus=2), TOY)
+    assert row["gradients_per_update"] == 8 and row["method"] == "closed form"
+
+
 def test_sync_ps_accumulates_every_gradient_and_applies_once():
     # Three pushers, one dedicated one-thread shard, transfers near free: a round is compute,
     # three gradients added into the accumulator and one update (the sum's mean, one more pass,

@@ -138,3 +138,41 @@ def test_async_resume_carries_versions(tmp_path):
     # a worker that restarted counting from 0 would see staleness >= v1.
     assert s["staleness_max"] <= 10, s["staleness_hist"]
     assert latest_checkpoint(tmp_path / "r")["ps"][0]["version"] >= v1 + 10
+
+
+# --- async-allreduce ---------------------------------------------------------------------------
+
+def test_async_allreduce_bound_1_is_sgd_with_gradients_one_update_stale(tmp_path):
+    """Each replica waits for a round once it has computed one gradient since it began: every update
+    averages one gradient of each replica, computed one update earlier. The one-process emulator of
+    2 asynchronous workers applies exactly that (each gradient on the values one update back)."""
+    b = 8
+    _, emulated = run(tmp_path, "emulated", *EXACT, f"data.batch_size={4 * b}", "strategy.emulate_workers=2")
+    s, asy = run(tmp_path, "async", *EXACT, f"data.batch_size={b}",
+                 *cluster(2, 2, 0, "async-allreduce", "strategy.async_bound=1"))
+    assert max_diff(emulated, asy) <= 1e-5
+    assert s["gradients_per_update_hist"] == [0, 0, 0, 0, 5]  # 5 updates of the 4 replicas' gradients
+    assert s["staleness_hist"] == [4, 16] and s["staleness_mean"] == pytest.approx(0.8)
+    _, allreduce = run(tmp_path, "allreduce", *EXACT, f"data.batch_size={b}", *cluster(2, 2))
+    assert max_diff(allreduce, asy) > 1e-4  # stale gradients: not all-reduce
+
+
+def test_async_allreduce_replicas_do_not_wait_for_slow_communication(tmp_path):
+    """ResNet-18's 45 MB gradient takes longer to all-reduce between 2 replicas than a 5 ms
+    emulated step: the replicas keep stepping, and each update averages several of their gradients."""
+    s, _ = run(tmp_path, "slowcomm", *cluster(1, 2, 0, "async-allreduce"), "model.name=resnet18",
+               "data.image_size=32", "train.emulate_compute_s=0.005", "train.steps=20", "train.eval_every=0",
+               "data.workers=0", "train.checkpoint_every=0")
+    updates = sum(s["gradients_per_update_hist"])
+    steps = [w["steps"] for w in s["per_worker"]]
+    assert s["gradients_per_update_mean"] > 3, s["gradients_per_update_hist"]  # more than one per replica
+    assert min(steps) > 1.5 * updates, (steps, updates)  # the replicas stepped faster than the rounds
+    # A gradient goes in the round after the one in flight as it is computed: one update stale,
+    # but for the first round's (no update before it)
+    assert s["staleness_max"] == 1 and 0 < s["staleness_hist"][0] < s["staleness_hist"][1], s["staleness_hist"]
+    # every applied gradient's staleness is counted
+    assert sum(s["staleness_hist"]) == sum(i * c for i, c in enumerate(s["gradients_per_update_hist"]))
+    assert main(["report", str(tmp_path / "slowcomm"), "--out", str(tmp_path / "report")]) == 0
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert "Gradients averaged by each update" in html and "Staleness of applied gradients" in html
+    assert (tmp_path / "report" / "gradients-per-update.png").stat().st_size > 0

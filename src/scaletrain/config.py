@@ -166,9 +166,12 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    name: str = opt("allreduce", "how replicas synchronise: allreduce | sync | mixed-async | async | backup",
-                    choices=("allreduce", "sync", "mixed-async", "async", "backup"))
+    name: str = opt("allreduce", "how replicas synchronise: allreduce | async-allreduce | sync | mixed-async | "
+                    "async | backup", choices=("allreduce", "async-allreduce", "sync", "mixed-async", "async", "backup"))
     backup_workers: int = opt(0, "backup: node gradients a version may go without, b (0..nodes-1)", lo=0, hi=4095)
+    async_bound: int = opt(0, "async-allreduce: gradients a replica computes while a round is in flight before "
+                           "it waits for the round (0 = never waits; 1 = every update exactly 1 stale; 0..4096)",
+                           lo=0, hi=4096)
     slow_node: int = opt(-1, "testing: node whose replicas are slowed down (-1 = none)", lo=-1, hi=4095)
     slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
     emulate_workers: int = opt(0, "one process trains as K equal-speed asynchronous workers would: each "

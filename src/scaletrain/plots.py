@@ -233,29 +233,38 @@ def predicted_plot(rows: list[dict], out: Path, made: list) -> None:
     _save(fig, out, "predicted-measured.png", made, "Predicted against measured throughput")
 
 
-def staleness_plot(summaries: list[dict], out: Path, made: list) -> None:
-    """Summaries carry a `source` (bench, study, run) so the same configuration measured twice
-    stays two lines with different names."""
-    stale = [s for s in summaries if s.get("staleness_hist") and sum(s["staleness_hist"][1:])]
+HISTOGRAMS = {  # summary key -> (its mean's key, what is counted, x axis, file)
+    "staleness_hist": ("staleness_mean", "Staleness of applied gradients", "staleness (updates)", "staleness.png"),
+    "gradients_per_update_hist": ("gradients_per_update_mean", "Gradients averaged by each update",
+                                  "gradients per update", "gradients-per-update.png"),
+}
+
+
+def staleness_plot(summaries: list[dict], out: Path, made: list, key: str = "staleness_hist") -> None:
+    """One of HISTOGRAMS (staleness by default), one panel per strategy. Summaries carry a
+    `source` (bench, study, run) so the same configuration measured twice stays two lines with
+    different names."""
+    mean_key, title, xlabel, name = HISTOGRAMS[key]
+    stale = [s for s in summaries if s.get(key) and sum(s[key][1:])]
     if not stale:
         return
     groups, colour = by_strategy(stale), _nodes_colours(stale)
-    fig, axes = _panels(len(groups), "Staleness of applied gradients")
+    fig, axes = _panels(len(groups), title)
     for ax, (strategy, g) in zip(axes, groups.items()):
         series = _series(g)
         sources = sorted({s.get("source") or "" for s in g})
         for s in g:
-            hist = s["staleness_hist"]
+            hist = s[key]
             last = max(j for j, v in enumerate(hist) if v) + 1
             total = sum(hist)
             source = s.get("source") or ""
             label = _node_label(s, len(series)) + (f" ({source})" if len(sources) > 1 else "") + \
-                f", mean {s['staleness_mean']:.2f}"
+                f", mean {s[mean_key]:.2f}"
             ax.plot(range(last), [v / total for v in hist[:last]], marker="o", color=colour[s["nodes"]],
                     ls=["-", "--", ":"][sources.index(source) % 3], label=label)
         _titled(ax, strategy, series)
-        ax.set_xlabel("staleness (updates)")
+        ax.set_xlabel(xlabel)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    axes[0].set_ylabel("fraction of gradients")
-    _save(fig, out, "staleness.png", made, "Staleness of applied gradients, one panel per strategy")
+    axes[0].set_ylabel("fraction of " + ("updates" if key != "staleness_hist" else "gradients"))
+    _save(fig, out, name, made, f"{title}, one panel per strategy")
 

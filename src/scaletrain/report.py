@@ -84,8 +84,9 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                          f"Performance model (scaletrain predict --validate): median absolute error {err:.1%} "
                          f"over {len(predicted)} configurations."))
         predicted_plot(predicted, out, made)
-    staleness_plot(_summaries(bench_rows, "bench") + _summaries(study_rows, "study")
-                   + [{**r, "source": "run"} for r in runs], out, made)
+    summaries = _summaries(bench_rows, "bench") + _summaries(study_rows, "study") + [{**r, "source": "run"} for r in runs]
+    staleness_plot(summaries, out, made)
+    staleness_plot(summaries, out, made, "gradients_per_update_hist")
     md = ["# scaletrain report", ""]
     for title, table, notes in sections:
         md += [f"## {title}", "", table, "", notes, ""] if notes else [f"## {title}", "", table, ""]

@@ -26,15 +26,18 @@ FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "int
 
 
 def pack(world_size: int, **values) -> torch.Tensor:
-    """[fields..., staleness histogram, per-sender staleness sums, per-sender counts]."""
+    """[fields..., staleness histogram, gradients-per-update histogram, per-sender staleness
+    sums, per-sender counts]."""
     n, h = len(FIELDS), HIST_BINS
-    vec = torch.zeros(n + h + 2 * world_size, dtype=torch.float64)
+    vec = torch.zeros(n + 2 * h + 2 * world_size, dtype=torch.float64)
     for k, v in values.items():
         if k == "hist":
             vec[n:n + h] = v.double()
+        elif k == "update_hist":
+            vec[n + h:n + 2 * h] = v.double()
         elif k == "by_sender":  # PS: {sender rank: (staleness sum, count)}
             for r, (total, count) in v.items():
-                vec[n + h + r], vec[n + h + world_size + r] = total, count
+                vec[n + 2 * h + r], vec[n + 2 * h + world_size + r] = total, count
         else:
             vec[FIELDS.index(k)] = float(v)
     return vec
@@ -56,8 +59,8 @@ def gather(ctx, values: dict) -> list[dict]:
 
 def unpack(rank: int, v: torch.Tensor, world_size: int) -> dict:
     n, h = len(FIELDS), HIST_BINS
-    return dict(zip(FIELDS, v[:n].tolist()), rank=rank, hist=v[n:n + h].long(),
-                stale_sum=v[n + h:n + h + world_size], stale_count=v[n + h + world_size:])
+    return dict(zip(FIELDS, v[:n].tolist()), rank=rank, hist=v[n:n + h].long(), update_hist=v[n + h:n + 2 * h].long(),
+                stale_sum=v[n + 2 * h:n + 2 * h + world_size], stale_count=v[n + 2 * h + world_size:])
 
 
 def job_figures(ctx, mine: dict) -> dict:
@@ -92,6 +95,19 @@ def summarize(rows: list[dict], nodes: int) -> dict:
             "intra_node": _mean(r["intra_bytes"] / max(r["steps"], 1) for r in workers),
         },
     }
+    if not ps and any(int(w["hist"].sum()) for w in workers):  # staleness counted by the replicas (async-allreduce)
+        hist = sum(w["hist"] for w in workers)
+        top = int(hist.nonzero().max())
+        updates = workers[0]["update_hist"]  # every replica applies every update: one replica's count
+        n, u = int(hist.sum()), int(updates.sum())
+        out.update({
+            "staleness_mean": float((hist * torch.arange(len(hist))).sum()) / n,
+            "staleness_p50": percentile(hist, 0.5), "staleness_p95": percentile(hist, 0.95), "staleness_max": top,
+            "staleness_hist": hist.tolist()[:top + 1],
+            "gradients_per_update_mean": float((updates * torch.arange(len(updates))).sum()) / u if u else 0.0,
+            "gradients_per_update_hist": updates.tolist()[:int(updates.nonzero().max()) + 1] if u else [],
+            "dropped_gradients": 0, "dropped_fraction": 0.0,
+        })
     if ps:
         ssum, scount = sum(r["stale_sum"] for r in ps), sum(r["stale_count"] for r in ps)
         for w in workers:

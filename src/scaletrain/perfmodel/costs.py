@@ -53,6 +53,7 @@ class Estimate:
     staleness_p95: float | None = None
     dropped_fraction: float = 0.0
     straggler_s: float = 0.0
+    gradients_per_update: int = 0        # async-allreduce: gradients one update averages
 
     @property
     def images_per_sec(self) -> float:
@@ -107,6 +108,42 @@ def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
     links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
     est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links, straggler_s=wait)
     est.link_util = max((b / p.net_bandwidth / step for b in links.values()), default=0.0)
+    return est
+
+
+def async_allreduce(p: Profile, st: Setup, slow: float = 0.0) -> Estimate:
+    """Async-allreduce: each replica computes, adds its gradient into its sum (one pass at
+    ps_accumulate_rate) and steps on; one ring at a time averages the sums in the background.
+    A round starts at a replica's step and is seen at the first step that ends after the ring:
+    it lasts a whole number of steps, at least one, and its update (one optimizer step) averages
+    that many gradients of every replica. In steady state every gradient is applied one update
+    after the values it was computed on (the next round's). On a shared host the rings and
+    updates take cores too: the step lasts at least all that CPU work over the cores. A slowed
+    node (`slow`: its extra seconds a step) holds no one back: its replicas add fewer gradients,
+    and step_s is the mean step that gives the job's images per second. strategy.async_bound
+    is not modelled."""
+    n = st.nodes * st.replicas
+    if st.nodes == 1 or p.shared_cores:
+        bw, lat = p.intra_bandwidth, p.intra_latency
+    else:
+        bw, lat = p.net_bandwidth, p.net_latency
+    comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
+    add = p.gradient_bytes / p.ps_accumulate_rate
+    own = p.compute_s + add
+    per_round = max(1, math.ceil(comm / own)) if n > 1 else 1  # steps a round lasts
+    step = own + p.optimizer_s / per_round
+    cpu = n * ((p.compute_s if p.compute_on_cores else 0.0) + add + (comm + p.optimizer_s) / per_round)
+    step = max(step, shared_floor(p, cpu), loader_floor(p, st))
+    slowed = st.replicas if slow and st.slow_node >= 0 else 0
+    step = n / ((n - slowed) / step + slowed / (step + slow))
+    parts = {"compute": p.compute_s, "accumulate": add, "optimizer": p.optimizer_s / per_round,
+             "network" if st.nodes > 1 else "intra-node": 0.0}  # the ring overlaps the steps
+    moved = 2 * (n - 1) / n * p.gradient_bytes / per_round if n > 1 else 0.0
+    links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}
+    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links,
+                   staleness_mean=1.0 if n > 1 else 0.0, staleness_p95=1.0 if n > 1 else 0.0)
+    est.link_util = max((b / p.net_bandwidth / step for b in links.values()), default=0.0)
+    est.gradients_per_update = n * per_round
     return est
 
 

@@ -51,6 +51,8 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
     if not st.uses_ps:
         n = st.nodes * st.replicas
         slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
+        if st.rounds:  # no replica waits for another: a slow one only adds fewer gradients
+            return costs.async_allreduce(p, st, slow=st.slow_delay_s), "closed form"
         return costs.allreduce(p, st, wait=slowest - p.compute_s), "closed form"
     closed = costs.sync_ps(p, st)  # the one-shard synchronous round; several shards share links
     uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)
@@ -105,7 +107,8 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
             "parts_s": est.parts, "link_bytes_per_step": est.link_bytes, "ps_cpu_util": est.ps_cpu_util,
             "link_util": est.link_util, "busy": share, "bottleneck": name,
             "staleness_mean": est.staleness_mean, "staleness_p95": est.staleness_p95,
-            "dropped_fraction": est.dropped_fraction, "method": method}
+            "dropped_fraction": est.dropped_fraction, "method": method,
+            **({"gradients_per_update": est.gradients_per_update} if st.rounds else {})}
 
 
 def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:

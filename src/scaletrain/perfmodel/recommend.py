@@ -54,8 +54,13 @@ def batch_candidates(recipe: int, max_batch: int, largest: int | None) -> list[i
 
 
 def candidates(cfg: Config, total: int) -> list[Config]:
+    """Every strategy and PS shape on `total` nodes. Async-allreduce is left out: its updates
+    average as many gradients as its rounds last steps, so its images per second buy updates of
+    another size than the others', which throughput alone cannot weigh."""
     out = []
     for name, e in REGISTRY.items():
+        if e.rounds:
+            continue
         shapes = [(total, 0, "alongside")] if not e.uses_ps else \
             [(total, p, "alongside") for p in ps_counts(total)] + \
             [(total - p, p, "dedicated") for p in ps_counts(total - 1)]

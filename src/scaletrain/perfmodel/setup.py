@@ -31,6 +31,7 @@ class Setup:
     slow_node: int               # node whose replicas are slowed (-1: none)
     slow_delay_s: float
     loaders: int                 # background loader processes per replica (0: the training process loads)
+    rounds: bool = False         # async-allreduce: all-reduce rounds in the background
 
     @property
     def pushers(self) -> int:
@@ -87,7 +88,7 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
                  wait_for=wait_for(cfg, pushers) if e.uses_ps else 0,
                  shard_bytes=shard_bytes(cfg, prof.gradient_bytes) if e.uses_ps else (),
                  ps_nodes=tuple(p.node for p in plan.ps), slow_node=s.slow_node, slow_delay_s=s.slow_delay_s,
-                 loaders=cfg.data.workers)
+                 loaders=cfg.data.workers, rounds=e.rounds)
 
 
 def check_workload(cfg: Config, prof: Profile, path: str) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .allreduce import AllReduce
+from .async_allreduce import AsyncAllReduce
 from .base import Strategy
 from .ps_client import PSClient
 
@@ -24,10 +25,12 @@ class Entry:
     backups: bool = False  # a version may go without strategy.backup_workers node gradients
     survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
     resizable: bool = False  # every replica holds the one state: a resume may change the node count
+    rounds: bool = False   # all-reduce rounds in the background; replicas never wait for them
 
 
 REGISTRY: dict[str, Entry] = {
     "allreduce": Entry(AllReduce, uses_ps=False, resizable=True),
+    "async-allreduce": Entry(AsyncAllReduce, uses_ps=False, resizable=True, rounds=True),
     "sync": Entry(PSClient, uses_ps=True, server="sync"),
     "backup": Entry(PSClient, uses_ps=True, server="sync", backups=True, survives_loss=True),
     "mixed-async": Entry(PSClient, uses_ps=True, server="async", survives_loss=True),

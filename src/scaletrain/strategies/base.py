@@ -93,6 +93,11 @@ class Strategy:
         """Figures for a single-process summary (distributed runs gather theirs)."""
         return {}
 
+    def figures(self) -> dict:
+        """This process's histograms for the job's summary (stats.pack): "hist", the staleness
+        of the gradients it applied, and "update_hist", the gradients each update averaged."""
+        return {}
+
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
