@@ -91,8 +91,9 @@ class AsyncAllReduce(Strategy):
 
     def _apply(self, total: torch.Tensor, count: int, asked: bool | None, lr: float) -> Tick:
         """The mean of `count` gradients summed in `total`, through the optimizer; the job's progress."""
-        mean = total / count
-        for g, v in zip(self.grads(), _unflatten_dense_tensors(mean, self.grads())):
+        mean = torch.div(total, count, out=self.buffer("mean", self.numel, total.dtype, total.device))
+        grads = self.grads()
+        for g, v in zip(grads, _unflatten_dense_tensors(mean, grads)):
             g.copy_(v)
         self.set_lr(lr)
         self.optimizer.step()
