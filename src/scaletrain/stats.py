@@ -97,30 +97,18 @@ def summarize(rows: list[dict], nodes: int) -> dict:
     }
     if not ps and any(int(w["hist"].sum()) for w in workers):  # staleness counted by the replicas (async-allreduce)
         hist = sum(w["hist"] for w in workers)
-        top = int(hist.nonzero().max())
         updates = workers[0]["update_hist"]  # every replica applies every update: one replica's count
-        n, u = int(hist.sum()), int(updates.sum())
-        out.update({
-            "staleness_mean": float((hist * torch.arange(len(hist))).sum()) / n,
-            "staleness_p50": percentile(hist, 0.5), "staleness_p95": percentile(hist, 0.95), "staleness_max": top,
-            "staleness_hist": hist.tolist()[:top + 1],
-            "gradients_per_update_mean": float((updates * torch.arange(len(updates))).sum()) / u if u else 0.0,
-            "gradients_per_update_hist": updates.tolist()[:int(updates.nonzero().max()) + 1] if u else [],
-            "dropped_gradients": 0, "dropped_fraction": 0.0,
-        })
+        out.update(**_staleness(hist, _last(hist)), dropped_gradients=0, dropped_fraction=0.0,
+                   gradients_per_update_mean=_mean_of(updates),
+                   gradients_per_update_hist=updates.tolist()[:_last(updates) + 1])
     if ps:
         ssum, scount = sum(r["stale_sum"] for r in ps), sum(r["stale_count"] for r in ps)
         for w in workers:
             if scount[w["rank"]] > 0:
                 w["staleness_mean"] = float(ssum[w["rank"]] / scount[w["rank"]])
-        hist = sum(r["hist"] for r in ps)
-        n = int(hist.sum())
-        mean = float((hist * torch.arange(len(hist))).sum()) / n if n else 0.0
+        out.update(_staleness(sum(r["hist"] for r in ps), int(max(r["stale_max"] for r in ps))))
         sizes = [r["shard_bytes"] for r in ps]
         out.update({
-            "staleness_mean": mean, "staleness_p50": percentile(hist, 0.5), "staleness_p95": percentile(hist, 0.95),
-            "staleness_max": int(max(r["stale_max"] for r in ps)),
-            "staleness_hist": hist.tolist()[: max(1, int(max(r["stale_max"] for r in ps)) + 1)],
             # every shard sees every push: the shard that dropped most counts the node gradients lost
             "dropped_gradients": int(max(r["dropped"] for r in ps)),
             "dropped_fraction": max(float(r["dropped"] / max(1, r["dropped"] + r["stale_count"].sum())) for r in ps),
@@ -140,6 +128,25 @@ def summarize(rows: list[dict], nodes: int) -> dict:
                           **({"staleness_mean": w["staleness_mean"]} if "staleness_mean" in w else {})}
                          for w in workers]
     return out
+
+
+def _staleness(hist: torch.Tensor, top: int) -> dict:
+    """The job's staleness figures from its histogram and its largest staleness (which may lie
+    beyond the last bin)."""
+    return {"staleness_mean": _mean_of(hist), "staleness_p50": percentile(hist, 0.5),
+            "staleness_p95": percentile(hist, 0.95), "staleness_max": top,
+            "staleness_hist": hist.tolist()[:max(1, top + 1)]}
+
+
+def _mean_of(hist: torch.Tensor) -> float:
+    """The mean of the values a histogram counts (bin i holds value i); 0 when it is empty."""
+    n = int(hist.sum())
+    return float((hist * torch.arange(len(hist))).sum()) / n if n else 0.0
+
+
+def _last(hist: torch.Tensor) -> int:
+    """The last bin with a count (0 when none has)."""
+    return int(hist.nonzero().max()) if int(hist.sum()) else 0
 
 
 def _mean(xs) -> float:

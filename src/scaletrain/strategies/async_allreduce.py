@@ -49,14 +49,14 @@ class AsyncAllReduce(Strategy):
         total = self.buffer("sum", self.numel, grads[0].dtype, grads[0].device)
         if self.round is None and self.summed:  # summed before an agreed point, where no round starts
             self._start_round(total)
-        if self.summed:
-            total.add_(torch.cat([g.reshape(-1) for g in grads], out=self.buffer("flat", self.numel, total.dtype,
-                                                                                 total.device)))
-        else:
-            torch.cat([g.reshape(-1) for g in grads], out=total)
+        flat = self.buffer("flat", self.numel, total.dtype, total.device) if self.summed else total
+        torch.cat([g.reshape(-1) for g in grads], out=flat)  # the first since the last round goes in as is
+        if flat is not total:
+            total.add_(flat)
         self.summed.append(self.version)
         self.counters.steps += 1
         if self.ctx.workers_group is None:  # one replica: nothing to wait for
+            self.summed = []
             return self._apply(total, 1, asked=None, lr=lr)
         tick = Tick(self.images, False, False)
         bound = self.cfg.strategy.async_bound
@@ -99,8 +99,6 @@ class AsyncAllReduce(Strategy):
         self.optimizer.step()
         self.version += 1
         self.update_hist[min(count, HIST_BINS - 1)] += 1
-        if self.ctx.workers_group is None:
-            self.summed = []
         return self.advance(count * self.cfg.data.batch_size, asked)
 
     def finish(self, stopped: int = 0) -> None:
