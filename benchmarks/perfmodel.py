@@ -5,14 +5,20 @@ emulated (`train.emulate_compute_s`: each replica sleeps as a GPU would
 compute and pushes a fixed gradient of the model's real size, while every
 transfer, PS and optimizer step is real; see README, "Emulated GPUs"):
 
-1. `scaletrain calibrate` measures a profile here (real processes, gloo; each
-   figure the median of 3 rounds, with its spread);
-2. `scaletrain bench` measures 12 configurations (plain: the mean of 3 passes
-   over the grid; emulated: one): 2 and 3 nodes x 2 replicas;
+1. `scaletrain calibrate` measures a profile here (real processes, gloo);
+2. `scaletrain bench` measures 12 configurations: 2 and 3 nodes x 2 replicas;
    allreduce, sync with 1 PS alongside or 2 dedicated, mixed-async with 1 or
    2 PS, async; then sync and backup (b = 1) on 3 nodes with node 1 slowed;
 3. `scaletrain predict --validate` sets the predictions against the bench:
    throughput, mean and p95 staleness, dropped gradients.
+
+Emulated steps are mostly sleep: one calibration of 3 rounds, then one pass
+over the grid. Plain steps take tens of milliseconds of this host's CPU and
+follow its slow and fast spells, which last minutes: a calibration made before
+the bench measures another host than the bench does. So the plain regime runs
+in 3 windows, each a calibration of one round followed at once by one pass over
+the grid; the profile is the median of the 3 (calibrate.median_profile) and
+every pass's rows are validated against it.
 
 Then profiles/study-k80.toml predicts the study's 4-worker configurations and
 sync against mixed-async at 2 to 16 nodes.
@@ -35,7 +41,8 @@ from strategies import stdout_to_stderr
 from scaletrain.cli import main as cli
 from scaletrain.config import load_config
 from scaletrain.perfmodel.predict import predict
-from scaletrain.perfmodel.profile import load_profile
+from scaletrain.perfmodel.calibrate import median_profile
+from scaletrain.perfmodel.profile import dump_profile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes/digits.toml")
@@ -43,14 +50,12 @@ COMMON = ["data.workers=0", "optim.warmup_steps=0", "cluster.gpus_per_node=2"]
 # Emulated: ResNet-18's 45 MB gradient and 0.12 s a step, so that moving and applying the
 # gradient weigh against compute about as in the study (benchmarks/emulated.py says how).
 EMULATED_T = 0.12
-# Per regime: its settings, the slowed node's extra seconds a step, and the bench's passes over
-# the grid. Plain steps take tens of milliseconds and follow this host's slow and fast spells,
-# which last minutes: three passes spread those over every cell (and calibrate measures in
-# rounds for the same reason). Emulated steps are mostly sleep, and one pass reproduces.
-REGIMES = {"plain": ([], 0.1, 3),
+# Per regime: its settings, the slowed node's extra seconds a step, the windows (each a
+# calibration followed by one pass over the grid) and the calibration's rounds in each (above).
+REGIMES = {"plain": ([], 0.1, 3, 1),
            "emulated": (["model.name=resnet18", "data.image_size=32", "train.eval_every=0",
                          f"train.emulate_compute_s={EMULATED_T}"],
-                        2 * EMULATED_T, 1)}
+                        2 * EMULATED_T, 1, 3)}
 GRID = ["cluster.nodes=2,3",
         "strategy.name+cluster.num_ps+cluster.ps_placement=allreduce:0:alongside,sync:1:alongside,"
         "sync:2:dedicated,mixed-async:1:alongside,mixed-async:2:alongside,async:1:alongside"]
@@ -72,19 +77,29 @@ def grids_of(items: list[str]) -> list[str]:
 
 
 def regime(name: str, out: Path, steps: int) -> dict:
-    extra, slow_s, passes = REGIMES[name]
+    extra, slow_s, windows, rounds = REGIMES[name]
     sets = sets_of(COMMON + extra)
-    bench = ["--warmup", "5", "--steps", str(steps), "--repeats", str(passes)]
-    prof = out / "local.toml"
+    bench = ["--warmup", "5", "--steps", str(steps)]
+    profiles, dirs = [], []
     with stdout_to_stderr():
-        rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--out", str(prof)])
-        rc = rc or cli(["bench", "--recipe", RECIPE, *sets, *grids_of(GRID), *bench, "--out", str(out / "bench")])
-        rc = rc or cli(["bench", "--recipe", RECIPE, *sets, "--set", f"strategy.slow_delay_s={slow_s}",
-                        *grids_of(SLOWED), *bench, "--out", str(out / "slowed")])
-        rc = rc or cli(["predict", "--profile", str(prof), "--validate", str(out / "bench"), str(out / "slowed")])
+        for w in range(windows):
+            print(f"{name}: window {w + 1} of {windows}", flush=True)
+            win = out / f"window{w + 1}" if windows > 1 else out
+            profiles.append(win / "local.toml")
+            dirs += [win / "bench", win / "slowed"]
+            rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--runs", str(rounds), "--out", str(profiles[-1])])
+            rc = rc or cli(["bench", "--recipe", RECIPE, *sets, *grids_of(GRID), *bench, "--out", str(dirs[-2])])
+            rc = rc or cli(["bench", "--recipe", RECIPE, *sets, "--set", f"strategy.slow_delay_s={slow_s}",
+                            *grids_of(SLOWED), *bench, "--out", str(dirs[-1])])
+            if rc:
+                sys.exit(rc)
+        prof = out / "local.toml"
+        if windows > 1:
+            prof.write_text(dump_profile(*median_profile(profiles)))
+        rc = cli(["predict", "--profile", str(prof), "--validate", *map(str, dirs), "--out", str(out)])
     if rc:
         sys.exit(rc)
-    validated = json.loads((out / "bench/validate-rows.json").read_text())
+    validated = json.loads((out / "validate-rows.json").read_text())
     profile = tomllib.loads(prof.read_text())
 
     def pair(r: dict, key: str) -> list:
@@ -96,8 +111,9 @@ def regime(name: str, out: Path, steps: int) -> dict:
         "rows": [{"setup": r["label"], "measured": round(r["measured"], 1), "predicted": round(r["predicted"], 1),
                   "error": round(r["rel_error"], 4), "staleness_mean": pair(r, "staleness_mean"),
                   "staleness_p95": pair(r, "staleness_p95"), "dropped_fraction": pair(r, "dropped_fraction"),
-                  "bottleneck": r["bottleneck"]} for r in validated["rows"]],
-        "configurations": len(validated["rows"]),
+                  "bottleneck": r["bottleneck"], "bench": str(Path(r["bench_dir"]).relative_to(out))}
+                 for r in validated["rows"]],
+        "configurations": len({r["label"] for r in validated["rows"]}), "rows_validated": len(validated["rows"]),
         "median_abs_error": round(validated["median_abs_error"], 4),
         "speedup_median_abs_error": round(validated["speedup_median_abs_error"], 4),
         "staleness_median_abs_error": validated["staleness_median_abs_error"],

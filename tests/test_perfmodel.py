@@ -425,6 +425,25 @@ def test_calibrate_batch_line():
     assert batch_line(32, 1.0, 16, 1.1) == (0.0, pytest.approx(1 / 32))
 
 
+def test_median_profile_of_several_calibrations(tmp_path):
+    from scaletrain.perfmodel.calibrate import median_profile
+
+    base, _ = load_profile(ROOT / "profiles/study-k80.toml")
+    paths = []
+    for i, (compute, bw) in enumerate([(0.3, 1e9), (0.2, 4e9), (0.5, 2e9)]):
+        paths.append(tmp_path / f"p{i}.toml")
+        paths[-1].write_text(dump_profile(replace(base, compute_s=compute, net_bandwidth=bw),
+                                          {"transfer_load": 1.0 + i}))
+    prof, about = median_profile(paths)
+    assert (prof.compute_s, prof.net_bandwidth, prof.model) == (0.3, 2e9, base.model)
+    assert about["spread"]["compute_s"] == pytest.approx((0.5 - 0.2) / 0.3)
+    assert about["spread"]["net_bandwidth"] == pytest.approx(3e9 / 2e9) and about["transfer_load"] == 2.0
+    assert load_profile(paths[0])[0].compute_s == 0.3
+    paths[2].write_text(dump_profile(replace(base, model="resnet18"), {}))
+    with pytest.raises(ProfileError, match=r"p2.toml: model = 'resnet18', not 'resnet50'"):
+        median_profile(paths)
+
+
 # --- on this machine: calibrate, bench, validate, report ---------------------------------------
 
 def run(*args, cwd=ROOT):

@@ -46,16 +46,17 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import Config
-from .profile import Profile
+from ..errors import ProfileError
+from .profile import Profile, load_profile
 
 SMALL = 1  # elements of the latency message (4 bytes)
 # Elements of the bandwidth message, at least: a small gradient's transfer takes about as long
@@ -319,3 +320,27 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         prof = replace(prof, net_latency=lat * f, net_bandwidth=bw / f, local_bandwidth=bw / f)
         about["transfer_load"] = round(f, 4)
     return prof, about
+
+
+def median_profile(paths: list[Path]) -> tuple[Profile, dict]:
+    """One profile from several calibrations of the same recipe: each numeric figure the median
+    over them, its spread (max - min) / median in [about]. For calibrations taken at different
+    times, each beside the measurements it is to predict (benchmarks/perfmodel.py)."""
+    loaded = [load_profile(p) for p in paths]
+    profs = [asdict(p) for p, _ in loaded]
+    out, spreads, types = dict(profs[0]), {}, get_type_hints(Profile)
+    for f in fields(Profile):
+        values = [p[f.name] for p in profs]
+        if types[f.name] is float:
+            m = out[f.name] = statistics.median(values)
+            spreads[f.name] = round((max(values) - min(values)) / m if m else 0.0, 4)
+        elif len(set(values)) > 1:
+            i = next(i for i, v in enumerate(values) if v != values[0])
+            raise ProfileError(f"{paths[i]}: {f.name} = {values[i]!r}, not {values[0]!r} as in {paths[0]}: "
+                               "calibrations of different setups")
+    about = {**loaded[0][1], "source": f"median of {len(paths)} calibrations: " + ", ".join(map(str, paths)),
+             "spread": spreads}
+    loads = [a["transfer_load"] for _, a in loaded if "transfer_load" in a]
+    if loads:
+        about["transfer_load"] = statistics.median(loads)
+    return Profile(**out), about
