@@ -53,7 +53,7 @@ class Estimate:
     staleness_p95: float | None = None
     dropped_fraction: float = 0.0
     straggler_s: float = 0.0
-    gradients_per_update: int = 0        # async-allreduce: gradients one update averages
+    gradients_per_update: float = 0.0    # async-allreduce: gradients one update averages (a mean)
 
     @property
     def images_per_sec(self) -> float:

@@ -1,7 +1,8 @@
 """Predicted figures of a configuration: throughput, speedup, efficiency, where time goes.
 
-All-reduce uses the closed form (costs.py); every parameter-server
-configuration uses the event simulation (simulate.py): shards that share
+All-reduce uses the closed form (costs.py); async-allreduce (rounds of as
+many gradients as compute makes while a ring runs, uneven speeds) and every
+parameter-server configuration use the event simulation (simulate.py): shards that share
 links, one-thread shards whose replies overlap the first pushers' next
 compute, asynchronous shards, backups and uneven speeds are beyond a closed
 form. Speedup and efficiency are figures.py's, as for a bench:
@@ -51,8 +52,8 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
     if not st.uses_ps:
         n = st.nodes * st.replicas
         slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
-        if st.rounds:  # no replica waits for another: a slow one only adds fewer gradients
-            return costs.async_allreduce(p, st, slow=st.slow_delay_s), "closed form"
+        if st.rounds:
+            return _rounds(p, st, spread, seed), "simulation"
         return costs.allreduce(p, st, wait=slowest - p.compute_s), "closed form"
     closed = costs.sync_ps(p, st)  # the one-shard synchronous round; several shards share links
     uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)
@@ -67,6 +68,22 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
         staleness_mean=sim.staleness_mean, staleness_p95=sim.staleness_p95, dropped_fraction=sim.dropped_fraction,
         straggler_s=max(0.0, sim.step_s - even.step_s) if uneven else 0.0)
     return est, "simulation"
+
+
+def _rounds(p: Profile, st: Setup, spread: float, seed: int) -> costs.Estimate:
+    """Async-allreduce, simulated: the closed form's parts and links at the simulated rate, with
+    the simulated distributions of staleness and of the gradients an update averages."""
+    closed = costs.async_allreduce(p, st, slow=st.slow_delay_s)
+    sim = simulate(p, st, spread=spread, seed=seed, cycle_hint=closed.step_s)
+    per_round = sim.gradients_per_update / (st.nodes * st.replicas)
+    images = st.nodes * st.replicas * p.batch_per_replica
+    links = {k: v * closed.gradients_per_update / sim.gradients_per_update for k, v in closed.link_bytes.items()}
+    est = costs.Estimate(images / sim.images_per_sec, images,
+                         {**closed.parts, "optimizer": p.optimizer_s / per_round}, link_bytes=links,
+                         staleness_mean=sim.staleness_mean, staleness_p95=sim.staleness_p95)
+    est.link_util = max((b / p.net_bandwidth / est.step_s for b in links.values()), default=0.0)
+    est.gradients_per_update = sim.gradients_per_update
+    return est
 
 
 def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float]]:

@@ -1,4 +1,4 @@
-"""Event simulation of the parameter-server strategies, on simpy.
+"""Event simulation of the parameter-server strategies and of async-allreduce, on simpy.
 
 The same costs as costs.py, played out in time, for what the closed forms
 cannot do: asynchronous shards (staleness), backup workers (dropped
@@ -29,6 +29,14 @@ gradients) and uneven replica speeds (stragglers).
 - A pusher copies its gradient into its messages before pushing and the
   values back from the replies after the pull (host_copy_bandwidth; device
   to host on a GPU, a memory copy, holding a core, on a shared host).
+- async-allreduce (Setup.rounds): every replica loops computing (as a pusher's
+  replicas do) and adding its gradient into its sum (bytes / ps_accumulate_rate
+  of CPU). At the end of a step, if the round it joined is over, it applies
+  the round's update (optimizer_s) and joins the next round with the gradients
+  it summed since it last joined (at its first step it joins round 0). A round's
+  ring (costs.ring_allreduce_s) starts once every replica has joined; on a
+  shared host every replica's part of it holds a core. A gradient computed on
+  the values of update v and carried by round j is applied j - v updates late.
 - On a shared host every piece of work (compute unless compute_on_cores is
   false, averaging, copies, a shard's CPU) holds one of the host's cores
   while it runs; background loaders hold none (see costs.shared_floor).
@@ -60,6 +68,7 @@ class SimResult:
     ps_cpu_util: float               # busiest shard's CPU busy fraction
     link_util: float                 # busiest network link's busy fraction
     link_bytes: dict[str, float]     # bytes each node's link sends per pusher step (and receives)
+    gradients_per_update: float = 0.0  # async-allreduce: mean gradients a round's update averages
 
 
 class _Sim:
@@ -77,6 +86,9 @@ class _Sim:
         self.computing = 0.0
         self.stale: list[int] = []
         self.dropped = self.sent = 0
+        self.rounds: list[list[int]] = []     # async-allreduce: per round, the versions of its gradients
+        self.joined: list[int] = []           # replicas that joined each round
+        self.over: list[simpy.Event] = []     # each round's ring is done
 
     def factor(self) -> float:
         return self.rng.lognormvariate(-self.sigma ** 2 / 2, self.sigma) if self.sigma else 1.0
@@ -208,6 +220,57 @@ class _Sim:
                 yield from answer([(reply, node)])
 
 
+    def replica(self, i: int):
+        """An async-allreduce replica (see the module doc)."""
+        p, st, env = self.p, self.st, self.env
+        slow = st.slow_delay_s if i // st.replicas == st.slow_node else 0.0
+        add, version, carried, joined = p.gradient_bytes / p.ps_accumulate_rate, 0, [], -1
+        while True:
+            t0 = env.now
+            yield from self.compute(p.compute_s * self.factor(), slow)
+            self.computing += env.now - t0
+            yield from self.work(add)
+            carried.append(version)
+            if st.nodes * st.replicas == 1:  # no ring: each gradient applied at once
+                yield from self.work(p.optimizer_s)
+                self.rounds.append(carried)
+                self.stale.append(0)
+                self.done.append((env.now, p.batch_per_replica))
+                version, carried = version + 1, []
+                continue
+            if joined >= 0 and not self.over[joined].triggered:
+                continue  # the round is in flight: step on
+            if joined >= 0:
+                yield from self.work(p.optimizer_s)
+                version += 1
+            joined += 1
+            self.join(joined, carried)
+            carried = []
+
+    def join(self, j: int, carried: list[int]):
+        st = self.st
+        n = st.nodes * st.replicas
+        if j == len(self.rounds):
+            self.rounds.append([])
+            self.joined.append(0)
+            self.over.append(self.env.event())
+        self.rounds[j] += carried
+        self.joined[j] += 1
+        if self.joined[j] == n:
+            self.env.process(self.ring(j, n))
+
+    def ring(self, j: int, n: int):
+        from .costs import ring_allreduce_s
+
+        p, st = self.p, self.st
+        bw, lat = (p.intra_bandwidth, p.intra_latency) if st.nodes == 1 or p.shared_cores else \
+            (p.net_bandwidth, p.net_latency)
+        yield from self.on_node(ring_allreduce_s(n, p.gradient_bytes, bw, lat) if n > 1 else 0.0, n)
+        self.stale += [j - v for v in self.rounds[j]]
+        self.done.append((self.env.now, len(self.rounds[j]) * p.batch_per_replica))
+        self.over[j].succeed()
+
+
 def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle_hint: float = 1.0,
              cycles: int = 0) -> SimResult:
     """Run `cycles` of about `cycle_hint` seconds (the closed form's step); the first tenth
@@ -218,18 +281,21 @@ def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle
     sim = _Sim(p, st, spread, seed)
     for k in range(len(st.shard_bytes)):
         sim.env.process(sim.shard(k))
-    for i in range(st.pushers):
-        sim.env.process(sim.pusher(i))
+    actors = st.nodes * st.replicas if st.rounds else st.pushers  # replicas, or pushers
+    for i in range(actors):
+        sim.env.process(sim.replica(i) if st.rounds else sim.pusher(i))
     horizon = cycles * cycle_hint
     sim.env.run(until=horizon)
     start = horizon / 10
     kept = [img for t, img in sim.done if t >= start]
-    steps = len(sim.done) / st.pushers
+    steps = len(sim.done) / (1 if st.rounds else st.pushers)
     if not kept or steps < 2:
         raise RuntimeError(f"simulation made {steps:.1f} steps per pusher in {horizon:.3g} s; raise cycles")
+    images_per_sec = sum(kept) / (horizon - start)
     return SimResult(
-        images_per_sec=sum(kept) / (horizon - start),
-        step_s=st.pushers * (horizon - start) / len(kept),
+        images_per_sec=images_per_sec,
+        step_s=st.nodes * st.replicas * p.batch_per_replica / images_per_sec if st.rounds else
+        st.pushers * (horizon - start) / len(kept),
         compute_s=sim.computing / len(sim.done),
         intra_s=(intra_average_s(p, st) + intra_broadcast_s(p, st)) if st.per_node else 0.0,
         staleness_mean=sum(sim.stale) / len(sim.stale) if sim.stale else 0.0,
@@ -238,4 +304,5 @@ def simulate(p: Profile, st: Setup, *, spread: float = 0.0, seed: int = 0, cycle
         ps_cpu_util=max((sim.busy["ps", k] / horizon for k in range(len(st.shard_bytes))), default=0.0),
         link_util=max((v / horizon for key, v in sim.busy.items() if key[1] in ("out", "in")), default=0.0),
         link_bytes={f"node {n + 1}": b / steps for n, b in sorted(sim.moved.items())},
+        gradients_per_update=sum(len(r) for r in sim.rounds[:len(sim.done)]) / len(sim.done) if st.rounds else 0.0,
     )
