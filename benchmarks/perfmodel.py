@@ -18,7 +18,8 @@ follow its slow and fast spells, which last minutes: a calibration made before
 the bench measures another host than the bench does. So the plain regime runs
 in 3 windows, each a calibration of one round followed at once by one pass over
 the grid; the profile is the median of the 3 (calibrate.median_profile) and
-every pass's rows are validated against it.
+each configuration's measurement the mean of its 3 passes (mean_rows), as
+`bench --repeats 3` gives it.
 
 Then profiles/study-k80.toml predicts the study's 4-worker configurations and
 sync against mixed-async at 2 to 16 nodes.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tomllib
 from pathlib import Path
@@ -96,6 +98,7 @@ def regime(name: str, out: Path, steps: int) -> dict:
         prof = out / "local.toml"
         if windows > 1:
             prof.write_text(dump_profile(*median_profile(profiles)))
+            dirs = [mean_rows(dirs[k::2], out / kind) for k, kind in enumerate(("bench", "slowed"))]
         rc = cli(["predict", "--profile", str(prof), "--validate", *map(str, dirs), "--out", str(out)])
     if rc:
         sys.exit(rc)
@@ -113,11 +116,36 @@ def regime(name: str, out: Path, steps: int) -> dict:
                   "staleness_p95": pair(r, "staleness_p95"), "dropped_fraction": pair(r, "dropped_fraction"),
                   "bottleneck": r["bottleneck"], "bench": str(Path(r["bench_dir"]).relative_to(out))}
                  for r in validated["rows"]],
-        "configurations": len({r["label"] for r in validated["rows"]}), "rows_validated": len(validated["rows"]),
+        "configurations": len(validated["rows"]),
         "median_abs_error": round(validated["median_abs_error"], 4),
         "speedup_median_abs_error": round(validated["speedup_median_abs_error"], 4),
         "staleness_median_abs_error": validated["staleness_median_abs_error"],
     }
+
+
+def mean_rows(dirs: list[Path], out: Path) -> Path:
+    """The bench rows of several passes over one grid as one bench output in `out`: each row's
+    throughput the mean of its passes (its spread across them as the standard error), its
+    staleness and dropped fraction the means."""
+    passes = [json.loads((d / "bench-rows.json").read_text()) for d in dirs]
+    rows = []
+    for same in zip(*passes):
+        if any(r.get("error") for r in same):
+            rows.append(next(r for r in same if r.get("error")))
+            continue
+        row = dict(same[0])
+        ips = [r["images_per_sec"] for r in same]
+        row.update(images_per_sec=statistics.fmean(ips), images_per_sec_runs=ips,
+                   images_per_sec_run_stderr=statistics.stdev(ips) / len(ips) ** 0.5,
+                   images_per_sec_stderr=statistics.fmean(r.get("images_per_sec_stderr") or 0.0 for r in same)
+                   / len(ips) ** 0.5)
+        for k in ("staleness_mean", "staleness_p95", "dropped_fraction"):
+            if row.get(k) is not None:
+                row[k] = statistics.fmean(r[k] for r in same)
+        rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-rows.json").write_text(json.dumps(rows, indent=1))
+    return out
 
 
 def study() -> dict:
