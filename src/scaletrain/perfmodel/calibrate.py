@@ -18,9 +18,7 @@
   both replicas to get a core back from computing. The job's step less
   compute and optimizer is its all-reduce under load; the all-reduce's
   latency is multiplied and its bandwidth divided by its ratio to the
-  microbenchmark's (never below 1), and the ratio is kept (intra_load): the
-  model counts only the microbenchmark's part of a ring as CPU, the rest as
-  waiting that holds no core;
+  microbenchmark's (never below 1);
 - on a shared host, a real 2-node sync job with one PS: its transfers
   compete for the CPU and memory the job's other copies use, by an amount
   that depends on the gradient's size (whether it fits a cache). The
@@ -300,8 +298,6 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         load = max(1.0, (job_s - compute_s - opt_s) / alone)
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")
         ilat, ibw = ilat * load, ibw / load
-    else:
-        load = 1.0
     prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
                    compute_s=compute_s, compute_base_s=min(compute_base, 0.999 * compute_s),
@@ -311,8 +307,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
                    optimizer_s=0.0 if gpu else opt_s, host_copy_bandwidth=nbytes / cpu["copy_s"],
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
                    local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, ps_accumulate_rate=nbytes / cpu["accumulate_s"],
-                   ps_overlap=False, shared_cores=0 if gpu else cores, intra_load=load,
-                   compute_on_cores=not (gpu or emulated))
+                   ps_overlap=False, shared_cores=0 if gpu else cores, compute_on_cores=not (gpu or emulated))
     about = {"source": f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
              "device": device, "torch": torch.__version__, "cores": cores, "runs": runs,
              "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")

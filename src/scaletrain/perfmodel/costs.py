@@ -13,10 +13,7 @@ server both do; an asynchronous one applies every gradient. A one-thread shard
 These formulas assume every replica runs at the same speed; uneven speeds,
 backups and asynchronous shards go to the event simulation (simulate.py).
 On a shared host (profile.shared_cores > 0) every process's work competes
-for the same cores; a step is then at least its total CPU work / cores. A
-ring between replicas there is mostly waiting (intra_load: its time in a job
-over its time alone): only 1 / intra_load of it is CPU; the rest holds no
-core and follows the CPU work (ring_split).
+for the same cores; a step is then at least its total CPU work / cores.
 Background loaders (data.workers > 0) fill each replica's next batch while it
 computes and communicates: a step lasts at least the time they take
 (loader_floor). Loading in the training process is in series with compute:
@@ -35,13 +32,6 @@ from .setup import Setup
 def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
     """Ring all-reduce of nbytes over n processes: 2(n-1) steps, each moving nbytes/n."""
     return 0.0 if n <= 1 else 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
-
-
-def ring_split(p: Profile, seconds: float) -> tuple[float, float]:
-    """A ring's (or averaging's) seconds as (CPU work, waiting): on a shared host all but
-    1 / intra_load of it is waiting for the other processes to get a core; elsewhere all is work."""
-    cpu = seconds / p.intra_load if p.shared_cores else seconds
-    return cpu, seconds - cpu
 
 
 def broadcast_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
@@ -112,9 +102,8 @@ def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
         bw, lat = p.net_bandwidth, p.net_latency
     comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
     parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
-    work, waiting = ring_split(p, comm)
-    cpu = n * (p.compute_s * p.compute_on_cores + work + p.optimizer_s)
-    step = max(sum(parts.values()) + wait, shared_floor(p, cpu) + waiting, loader_floor(p, st))
+    cpu = n * (sum(parts.values()) - (0.0 if p.compute_on_cores else p.compute_s))
+    step = max(sum(parts.values()) + wait, shared_floor(p, cpu), loader_floor(p, st))
     moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
     links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
     est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links, straggler_s=wait)
@@ -143,7 +132,7 @@ def async_allreduce(p: Profile, st: Setup, slow: float = 0.0) -> Estimate:
     own = p.compute_s + add
     per_round = max(1, math.ceil(comm / own)) if n > 1 else 1  # steps a round lasts
     step = own + p.optimizer_s / per_round
-    cpu = n * ((p.compute_s if p.compute_on_cores else 0.0) + add + (ring_split(p, comm)[0] + p.optimizer_s) / per_round)
+    cpu = n * ((p.compute_s if p.compute_on_cores else 0.0) + add + (comm + p.optimizer_s) / per_round)
     step = max(step, shared_floor(p, cpu), loader_floor(p, st))
     slowed = st.replicas if slow and st.slow_node >= 0 else 0
     step = n / ((n - slowed) / step + slowed / (step + slow))
@@ -195,10 +184,9 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
         parts["PS (one thread)"] = rounds[worst][0] - ahead
         ps_busy = [busy for _, busy in rounds]
     moved = 2 * n_push * sum(st.shard_bytes)  # every gradient and every reply, copied once each
-    work, waiting = ring_split(p, intra)
-    cpu = st.nodes * st.replicas * (p.compute_s * p.compute_on_cores + work) + sum(acc_k) + sum(apply_k) + \
+    cpu = st.nodes * st.replicas * (p.compute_s * p.compute_on_cores + intra) + sum(acc_k) + sum(apply_k) + \
         moved / p.local_bandwidth + n_push * parts["host copies"]
-    step = max(sum(parts.values()), shared_floor(p, cpu) + waiting, loader_floor(p, st))
+    step = max(sum(parts.values()), shared_floor(p, cpu), loader_floor(p, st))
     # A node's link sends its pushes and its PS's replies, and receives as much.
     links = {f"node {a + 1}": out_b.get(a, 0.0) + in_b.get(a, 0.0) for a in sorted({*out_b, *in_b})}
     est = Estimate(step, st.nodes * st.replicas * p.batch_per_replica, parts, link_bytes=links,

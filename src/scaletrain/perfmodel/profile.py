@@ -66,9 +66,6 @@ class Profile:
     # host
     shared_cores: int = opt(0, "0: nodes are separate machines; C: every process of every node shares the "
                             "C CPU cores of one host (the local launcher)", lo=0, hi=100_000)
-    intra_load: float = opt(1.0, "on a shared host: a replicas' ring in a job over the same ring alone (the "
-                            "intra figures include it); the excess is waiting for the other processes to get a "
-                            "core, which holds none (1: all CPU)", lo=1.0, hi=1e6)
     compute_on_cores: bool = opt(True, "on a shared host: whether a replica's compute holds one of its cores (false: "
                                  "it runs elsewhere, a device, or is emulated by train.emulate_compute_s)")
 
@@ -157,7 +154,7 @@ SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_b
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
             "ps": ("ps_apply_rate", "ps_accumulate_rate", "ps_overlap"),
             "input": ("input_rate",),
-            "host": ("shared_cores", "intra_load", "compute_on_cores")}
+            "host": ("shared_cores", "compute_on_cores")}
 
 
 def dump_profile(profile: Profile, about: dict) -> str:

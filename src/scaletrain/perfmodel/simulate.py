@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor, ring_split, sync_update_s
+from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor, sync_update_s
 from .profile import Profile
 from .setup import Setup
 
@@ -114,15 +114,11 @@ class _Sim:
             yield self.env.timeout(delay)
 
     def on_node(self, seconds: float, processes: int):
-        """A ring of `processes` processes (averaging, sharing, all-reduce) that takes `seconds`:
-        on a shared host each holds a core for its CPU part, then waits the rest (costs.ring_split)."""
-        work, waiting = ring_split(self.p, seconds)
+        """The same work done by `processes` processes of one node at once."""
         if self.cores is None or processes == 1:
-            yield from self.work(work)
+            yield from self.work(seconds)
         else:
-            yield self.env.all_of([self.env.process(self.work(work)) for _ in range(processes)])
-        if waiting:
-            yield self.env.timeout(waiting)
+            yield self.env.all_of([self.env.process(self.work(seconds)) for _ in range(processes)])
 
     def transfer(self, a: int, b: int, nbytes: int):
         p = self.p
