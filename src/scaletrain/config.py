@@ -176,6 +176,13 @@ class StrategyConfig:
     slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
     emulate_workers: int = opt(0, "one process trains as K equal-speed asynchronous workers would: each "
                                "gradient K-1 updates stale (0 = off; 1..64)", lo=0, hi=64)
+    staleness_lr: str = opt("none", "asynchronous updates (async and mixed-async shards, the emulator): none | "
+                            "inverse (a gradient's learning rate divided by its staleness + 1, Zhang et al. 2016)",
+                            choices=("none", "inverse"))
+    delay_compensation: float = opt(0.0, "asynchronous updates: DC-ASGD's lambda (Zheng et al. 2017), each gradient "
+                                    "g computed on values w_then corrected to g + lambda * g * g * (w_now - w_then) "
+                                    "(0 = off; 0..10^6: products of batch-mean gradients are small, so useful "
+                                    "values are large)", lo=0.0, hi=1e6)
 
 
 @dataclass(frozen=True)
@@ -297,6 +304,12 @@ def _check_relations(cfg: Config) -> None:
     if s.name == "backup" and s.backup_workers >= c.nodes:
         raise ConfigError(f"strategy.backup_workers = {s.backup_workers}: must be below cluster.nodes = {c.nodes} "
                           "(a version needs at least one node's gradient)")
+    stale_aware = [f"strategy.{k} = {v}" for k, v in (("staleness_lr", s.staleness_lr),
+                                                      ("delay_compensation", s.delay_compensation))
+                   if v not in ("none", 0.0)]
+    if stale_aware and not s.emulate_workers and s.name not in ("async", "mixed-async"):
+        raise ConfigError(f"{' and '.join(stale_aware)}: acts on asynchronous updates, those of strategy.name = "
+                          f"async or mixed-async or of strategy.emulate_workers; strategy.name = {s.name!r}")
     if s.emulate_workers and cfg.distributed:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
                           "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")

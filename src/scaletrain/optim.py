@@ -96,3 +96,17 @@ def lr_at(cfg, step: int, total: int, update_images: int) -> float:
         span = max(1, total - cfg.warmup_steps)
         return 0.5 * peak * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup_steps) / span)))
     return peak
+
+
+def staleness_scale(mode: str, staleness: int) -> float:
+    """The learning-rate factor of a gradient `staleness` updates old: 1 / (staleness + 1)
+    under strategy.staleness_lr = inverse (Zhang et al. 2016), else 1."""
+    return 1.0 / (staleness + 1) if mode == "inverse" else 1.0
+
+
+def compensate(grad: torch.Tensor, now: torch.Tensor, then: torch.Tensor, lam: float,
+               buf: torch.Tensor | None = None) -> torch.Tensor:
+    """DC-ASGD's delay compensation (Zheng et al. 2017), in place: grad, computed on the values
+    `then`, becomes grad + lam * grad * grad * (now - then). `buf` (now's shape) saves an allocation."""
+    d = torch.sub(now, then, out=buf) if buf is not None else now - then
+    return grad.addcmul_(d.mul_(grad), grad, value=lam)

@@ -11,7 +11,11 @@ gradient = shard version when applied - version it was computed on.
   A gradient computed on an older version is dropped, counted, and its
   sender gets the current values at once.
 - async: each gradient is applied as it arrives and its sender gets the
-  current values back; no pusher waits for another.
+  current values back; no pusher waits for another. Staleness-aware updates:
+  with strategy.staleness_lr = inverse the gradient's learning rate is divided
+  by its staleness + 1; with strategy.delay_compensation = lambda (DC-ASGD) it
+  is first corrected by lambda * g * g * (w_now - w_then), w_then the values
+  last sent to its pusher, which the shard keeps for each pusher.
 
 Agreed points (evaluation, checkpoint, the target, a request): the update
 that brings the images to a point starts a hold. Nothing more is applied
@@ -46,7 +50,7 @@ import torch
 from .. import dist
 from ..checkpoint import CheckpointError
 from ..models import build_model
-from ..optim import build_optimizer, lr_at, state_keys
+from ..optim import build_optimizer, compensate, lr_at, staleness_scale, state_keys
 from ..schedule import Schedule
 from . import protocol as P
 from .sharding import gather, make_layout
@@ -81,6 +85,12 @@ class Shard:
         self.point_asked = 0  # the requests of the current point
         self.stopped = 0  # the signal that stopped the job before its end (-1: unknown), see protocol.py
         self.over = False  # the chief stopped (a target accuracy or loss reached): every push is DONE
+        st = cfg.strategy
+        self.staleness_lr = st.staleness_lr if mode == "async" else "none"
+        self.dc = st.delay_compensation if mode == "async" else 0.0
+        # DC-ASGD: the values each pusher last received, on which it computes its next gradient
+        self.sent = {r: self.values.detach().clone() for r in pushers} if self.dc else {}
+        self.dc_buf = torch.empty_like(self.values) if self.dc else None
 
     @property
     def done(self) -> bool:
@@ -181,8 +191,11 @@ class Shard:
             self.dropped += 1
             self._reply([src])
         elif self.mode == "async":
-            self._record(src, self.version - version)
-            self._apply(grad, self.push_images)
+            staleness = self.version - version
+            self._record(src, staleness)
+            if self.dc:
+                compensate(grad, self.values.detach(), self.sent[src], self.dc, self.dc_buf)
+            self._apply(grad, self.push_images, staleness_scale(self.staleness_lr, staleness))
             self._reply([src])
         elif version == self.version:
             if self.pending:
@@ -206,10 +219,10 @@ class Shard:
             senders, self.pending = self.pending, []
             self._reply(senders)
 
-    def _apply(self, grad: torch.Tensor, images: int) -> None:
+    def _apply(self, grad: torch.Tensor, images: int, lr_scale: float = 1.0) -> None:
         s = self.schedule
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.cfg.optim, s.step_of(self.images), s.steps, self.update_images)
+            g["lr"] = lr_scale * lr_at(self.cfg.optim, s.step_of(self.images), s.steps, self.update_images)
         self.values.grad = grad
         self.optimizer.step()
         self.version += 1
@@ -240,6 +253,8 @@ class Shard:
         for dst in dsts:
             if dst not in self.lost and self._talk(dst, lambda: answer(dst)):
                 self.bytes_sent += P.HEADER * 8 + vals.numel() * vals.element_size()
+                if dst in self.sent:
+                    self.sent[dst].copy_(vals)
         if self.holding:
             self.answered.update(dsts)
             self._release()
@@ -276,6 +291,8 @@ class Shard:
                                   f"which has {self.values.numel()}")
         with torch.no_grad():
             self.values.copy_(values)
+        for w in self.sent.values():  # every pusher resumes from these values
+            w.copy_(values)
         if saved["optimizer"]:
             self.optimizer.state[self.values] = {k: v.clone() for k, v in saved["optimizer"].items()}
         self.version = saved["version"]

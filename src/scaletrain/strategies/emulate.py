@@ -7,7 +7,9 @@ version it was computed on (the first K-1 are less stale: the run has no
 older versions). Here one process computes every gradient on the parameters
 of version max(0, v - (K-1)) and applies it to the current values, so a
 study can explore 16-64 workers on one machine, exactly reproducibly.
-K = 1 is plain training. Memory: K + 1 copies of the parameters and the
+K = 1 is plain training. strategy.staleness_lr and strategy.delay_compensation
+act as on an asynchronous PS shard (ps/server.py), w_then being the version
+the gradient was computed on. Memory: K + 1 copies of the parameters and the
 optimizer state (and checkpoints hold all of them).
 """
 
@@ -18,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..optim import build_optimizer
+from ..optim import build_optimizer, compensate, staleness_scale
 from .base import Strategy, Tick
 
 HIST_BINS = 64  # staleness 0..63: enough for strategy.emulate_workers <= 64
@@ -33,14 +35,17 @@ class EmulatedAsync(Strategy):
         self.history = deque([[c.clone() for c in self.current]], maxlen=workers)  # the last K versions
         self.version = 0
         self.hist = [0] * HIST_BINS
+        self.staleness_lr, self.dc = cfg.strategy.staleness_lr, cfg.strategy.delay_compensation
 
     def step(self, lr: float) -> Tick:
         staleness = self.version - max(0, self.version - (self.k - 1))
         self.hist[min(staleness, HIST_BINS - 1)] += 1
-        for c, g in zip(self.current, self.grads()):
+        for c, g, then in zip(self.current, self.grads(), self.history[0]):
+            if self.dc:
+                compensate(g, c, then, self.dc)
             c.grad = g
         for group in self.server_opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * staleness_scale(self.staleness_lr, staleness)
         self.server_opt.step()
         self.version += 1
         self.history.append([c.clone() for c in self.current])
