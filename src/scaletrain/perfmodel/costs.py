@@ -91,16 +91,23 @@ def loader_floor(p: Profile, st: Setup) -> float:
     return input_s(p, st) if st.loaders else 0.0
 
 
+def replicas_ring_s(p: Profile, st: Setup) -> float:
+    """One ring all-reduce of the gradient over every replica. Its pace is that of its slowest
+    hop: a network hop once it spans nodes; within one node, or with every "node" on one host,
+    none."""
+    if st.nodes == 1 or p.shared_cores:
+        bw, lat = p.intra_bandwidth, p.intra_latency
+    else:
+        bw, lat = p.net_bandwidth, p.net_latency
+    return ring_allreduce_s(st.nodes * st.replicas, p.gradient_bytes, bw, lat)
+
+
 def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
     """All-reduce: each replica computes, joins one ring over all replicas, steps its optimizer.
     The ring's pace is that of its slowest hop: a network hop once it spans nodes. `wait`: the
     seconds the ring waits for its slowest replica (a straggler), which keeps no core busy."""
     n = st.nodes * st.replicas
-    if st.nodes == 1 or p.shared_cores:  # one node, or every "node" on one host: no network hop
-        bw, lat = p.intra_bandwidth, p.intra_latency
-    else:
-        bw, lat = p.net_bandwidth, p.net_latency
-    comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
+    comm = replicas_ring_s(p, st)
     parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
     cpu = n * (sum(parts.values()) - (0.0 if p.compute_on_cores else p.compute_s))
     step = max(sum(parts.values()) + wait, shared_floor(p, cpu), loader_floor(p, st))
@@ -123,11 +130,7 @@ def async_allreduce(p: Profile, st: Setup, slow: float = 0.0) -> Estimate:
     and step_s is the mean step that gives the job's images per second. strategy.async_bound
     is not modelled."""
     n = st.nodes * st.replicas
-    if st.nodes == 1 or p.shared_cores:
-        bw, lat = p.intra_bandwidth, p.intra_latency
-    else:
-        bw, lat = p.net_bandwidth, p.net_latency
-    comm = ring_allreduce_s(n, p.gradient_bytes, bw, lat)
+    comm = replicas_ring_s(p, st)
     add = p.gradient_bytes / p.ps_accumulate_rate
     own = p.compute_s + add
     per_round = max(1, math.ceil(comm / own)) if n > 1 else 1  # steps a round lasts

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import simpy
 
-from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor, sync_update_s
+from .costs import host_copy_s, intra_average_s, intra_broadcast_s, loader_floor, replicas_ring_s, sync_update_s
 from .profile import Profile
 from .setup import Setup
 
@@ -219,7 +219,6 @@ class _Sim:
                 self.dropped += 1
                 yield from answer([(reply, node)])
 
-
     def replica(self, i: int):
         """An async-allreduce replica (see the module doc)."""
         p, st, env = self.p, self.st, self.env
@@ -260,12 +259,8 @@ class _Sim:
             self.env.process(self.ring(j, n))
 
     def ring(self, j: int, n: int):
-        from .costs import ring_allreduce_s
-
-        p, st = self.p, self.st
-        bw, lat = (p.intra_bandwidth, p.intra_latency) if st.nodes == 1 or p.shared_cores else \
-            (p.net_bandwidth, p.net_latency)
-        yield from self.on_node(ring_allreduce_s(n, p.gradient_bytes, bw, lat) if n > 1 else 0.0, n)
+        p = self.p
+        yield from self.on_node(replicas_ring_s(p, self.st), n)
         self.stale += [j - v for v in self.rounds[j]]
         self.done.append((self.env.now, len(self.rounds[j]) * p.batch_per_replica))
         self.over[j].succeed()
