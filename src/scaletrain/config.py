@@ -307,9 +307,12 @@ def _check_relations(cfg: Config) -> None:
     stale_aware = [f"strategy.{k} = {v}" for k, v in (("staleness_lr", s.staleness_lr),
                                                       ("delay_compensation", s.delay_compensation))
                    if v not in ("none", 0.0)]
-    if stale_aware and not s.emulate_workers and s.name not in ("async", "mixed-async"):
+    from .strategies import REGISTRY  # here: the registry's modules import this one
+
+    if stale_aware and not s.emulate_workers and REGISTRY[s.name].server != "async":
+        names = " or ".join(n for n, e in REGISTRY.items() if e.server == "async")
         raise ConfigError(f"{' and '.join(stale_aware)}: acts on asynchronous updates, those of strategy.name = "
-                          f"async or mixed-async or of strategy.emulate_workers; strategy.name = {s.name!r}")
+                          f"{names} or of strategy.emulate_workers; strategy.name = {s.name!r}")
     if s.emulate_workers and cfg.distributed:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
                           "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
