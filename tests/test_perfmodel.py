@@ -71,7 +71,7 @@ def test_async_allreduce_steps_at_compute_and_rounds_last_whole_steps():
     slowed = make_setup(cfg_of("async-allreduce", nodes=2, gpus=2, strategy__slow_node=1,
                                strategy__slow_delay_s=1.02), fast)
     # node 2 steps twice as slowly: it adds half the gradients, and holds no one back
-    assert costs.async_allreduce(fast, slowed, slow=1.02).images_per_sec == pytest.approx(
+    assert costs.async_allreduce(fast, slowed).images_per_sec == pytest.approx(
         0.75 * est.images_per_sec)
     row = predict(cfg_of("async-allreduce", nodes=2, gpus=2), toy)
     # The simulation plays the same steps out: with equal speeds it agrees with the closed form.

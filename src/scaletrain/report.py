@@ -84,7 +84,8 @@ def write_report(dirs: list[Path], out: Path) -> Path:
                          f"Performance model (scaletrain predict --validate): median absolute error {err:.1%} "
                          f"over {len(predicted)} configurations."))
         predicted_plot(predicted, out, made)
-    summaries = _summaries(bench_rows, "bench") + _summaries(study_rows, "study") + [{**r, "source": "run"} for r in runs]
+    summaries = _summaries(bench_rows, "bench") + _summaries(study_rows, "study") + \
+        [{**r, "source": "run"} for r in runs]
     staleness_plot(summaries, out, made)
     staleness_plot(summaries, out, made, "gradients_per_update_hist")
     md = ["# scaletrain report", ""]

@@ -118,7 +118,7 @@ def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
     return est
 
 
-def async_allreduce(p: Profile, st: Setup, slow: float = 0.0) -> Estimate:
+def async_allreduce(p: Profile, st: Setup) -> Estimate:
     """Async-allreduce: each replica computes, adds its gradient into its sum (one pass at
     ps_accumulate_rate) and steps on; one ring at a time averages the sums in the background.
     A round starts at a replica's step and is seen at the first step that ends after the ring:
@@ -126,7 +126,7 @@ def async_allreduce(p: Profile, st: Setup, slow: float = 0.0) -> Estimate:
     that many gradients of every replica. In steady state every gradient is applied one update
     after the values it was computed on (the next round's). On a shared host the rings and
     updates take cores too: the step lasts at least all that CPU work over the cores. A slowed
-    node (`slow`: its extra seconds a step) holds no one back: its replicas add fewer gradients,
+    node (strategy.slow_delay_s a step) holds no one back: its replicas add fewer gradients,
     and step_s is the mean step that gives the job's images per second. strategy.async_bound
     is not modelled."""
     n = st.nodes * st.replicas
@@ -137,7 +137,8 @@ def async_allreduce(p: Profile, st: Setup, slow: float = 0.0) -> Estimate:
     step = own + p.optimizer_s / per_round
     cpu = n * ((p.compute_s if p.compute_on_cores else 0.0) + add + (comm + p.optimizer_s) / per_round)
     step = max(step, shared_floor(p, cpu), loader_floor(p, st))
-    slowed = st.replicas if slow and st.slow_node >= 0 else 0
+    slow = st.slow_delay_s if st.slow_node >= 0 else 0.0
+    slowed = st.replicas if slow else 0
     step = n / ((n - slowed) / step + slowed / (step + slow))
     parts = {"compute": p.compute_s, "accumulate": add, "optimizer": p.optimizer_s / per_round,
              "network" if st.nodes > 1 else "intra-node": 0.0}  # the ring overlaps the steps

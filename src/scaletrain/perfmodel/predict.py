@@ -49,11 +49,11 @@ def estimate(p: Profile, st: Setup, spread: float = 0.0, seed: int = 0) -> tuple
 
 
 def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Estimate, str]:
+    if st.rounds:
+        return _rounds(p, st, spread, seed), "simulation"
     if not st.uses_ps:
         n = st.nodes * st.replicas
         slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
-        if st.rounds:
-            return _rounds(p, st, spread, seed), "simulation"
         return costs.allreduce(p, st, wait=slowest - p.compute_s), "closed form"
     closed = costs.sync_ps(p, st)  # the one-shard synchronous round; several shards share links
     uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)
@@ -73,7 +73,7 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
 def _rounds(p: Profile, st: Setup, spread: float, seed: int) -> costs.Estimate:
     """Async-allreduce, simulated: the closed form's parts and links at the simulated rate, with
     the simulated distributions of staleness and of the gradients an update averages."""
-    closed = costs.async_allreduce(p, st, slow=st.slow_delay_s)
+    closed = costs.async_allreduce(p, st)
     sim = simulate(p, st, spread=spread, seed=seed, cycle_hint=closed.step_s)
     per_round = sim.gradients_per_update / (st.nodes * st.replicas)
     images = st.nodes * st.replicas * p.batch_per_replica
