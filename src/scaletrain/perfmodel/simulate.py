@@ -22,7 +22,8 @@ gradients) and uneven replica speeds (stragglers).
   ps_accumulate_rate (summed into the accumulator); once `wait_for` are in,
   one update (the mean, then the optimizer: costs.sync_update_s) and all
   contributors get the new version; a gradient of an older version is
-  dropped and its sender gets the current values. A one-thread shard (ps_overlap false, scaletrain's server)
+  dropped and its sender gets the current values (its images are not the
+  job's progress, as a run's images_applied leaves them out). A one-thread shard (ps_overlap false, scaletrain's server)
   also moves every message itself: it receives a gradient only when it is
   free, and sends its replies one after another; a threaded one (true) works
   while the messages move.
@@ -159,15 +160,17 @@ class _Sim:
                 yield from self.on_node(intra, reps)
             pushes = [env.process(self.push(node, k, seen[k])) for k in range(len(seen))]
             got = yield env.all_of(pushes)
-            seen = [got[e] for e in pushes]
+            seen = [got[e][0] for e in pushes]
+            applied = got[pushes[0]][1]  # a dropped gradient adds no images to the job's progress
             if copy:  # the new values out of the replies (back to the device)
                 yield from self.work(copy)
             if share:
                 yield from self.on_node(share, reps)
-            self.done.append((env.now, reps * p.batch_per_replica))
+            self.done.append((env.now, reps * p.batch_per_replica if applied else 0))
 
     def push(self, node: int, k: int, version: int):
-        """One shard's part of a push-pull: the gradient's slice in, the shard's values back."""
+        """One shard's part of a push-pull: the gradient's slice in, the shard's values back; gives
+        the shard's version and whether the gradient was applied (not dropped as too late)."""
         nbytes, ps, reply = self.st.shard_bytes[k], self.st.ps_nodes[k], self.env.event()
         if not self.p.ps_overlap:  # the shard's one thread moves both messages (shard())
             self.queues[k].put((version, reply, node))
@@ -190,11 +193,11 @@ class _Sim:
             yield from moves
             self.busy["ps", k] += env.now - t0
 
-        def answer(replies):
+        def answer(replies, applied=True):
             for reply, node in replies:
                 if serial:
                     yield from busy(self.transfer(ps, node, nbytes))
-                reply.succeed(self.version[k])
+                reply.succeed((self.version[k], applied))
 
         while True:
             version, reply, node = yield self.queues[k].get()
@@ -217,7 +220,7 @@ class _Sim:
                     yield from answer(done)
             else:  # computed on a version already applied: too late
                 self.dropped += 1
-                yield from answer([(reply, node)])
+                yield from answer([(reply, node)], applied=False)
 
     def replica(self, i: int):
         """An async-allreduce replica (see the module doc)."""
