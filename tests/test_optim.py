@@ -22,6 +22,38 @@ def test_rmsprop_tf_matches_hand_computed_update():
         assert p.detach().tolist() == pytest.approx(expected, abs=1e-7)
 
 
+def test_multi_tensor_steps_equal_per_tensor_steps_exactly():
+    """RMSpropTF's multi-tensor kernels over parameters of several shapes (one without a gradient)
+    give bit for bit the per-tensor update; so does SGD's foreach path, which build_optimizer takes."""
+    torch.manual_seed(0)
+    shapes = [(64, 3, 3, 3), (64,), (10, 64), (7,)]
+    init = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = RMSpropTF(ps, lr=0.1, decay=0.9, eps=1.0, momentum=0.9)
+    ref = [t.clone() for t in init]
+    ms, mom = [torch.ones_like(t) for t in init], [torch.zeros_like(t) for t in init]
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = None if p.shape == (7,) else g.clone()
+        opt.step()
+        for i, g in enumerate(step[:3]):  # by hand, tensor by tensor, as TF 1.x's kernel
+            ms[i].mul_(0.9).addcmul_(g, g, value=0.1)
+            mom[i].mul_(0.9).addcdiv_(g, (ms[i] + 1.0).sqrt_(), value=0.1)
+            ref[i].sub_(mom[i])
+    assert all(torch.equal(p.detach(), r) for p, r in zip(ps, ref))  # the last: no gradient, untouched
+    cfg = OptimConfig(name="sgd", lr=0.1, momentum=0.9)
+    a, b = [torch.nn.Parameter(t.clone()) for t in init], [torch.nn.Parameter(t.clone()) for t in init]
+    fast, loop = build_optimizer(cfg, a), torch.optim.SGD(b, lr=0.1, momentum=0.9, foreach=False)
+    assert fast.defaults["foreach"] is True
+    for step in grads:
+        for x, y, g in zip(a, b, step):
+            x.grad, y.grad = g.clone(), g.clone()
+        fast.step()
+        loop.step()
+    assert all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b))
+
+
 def test_rmsprop_tf_differs_from_torch_rmsprop():
     a = torch.nn.Parameter(torch.ones(3))
     b = torch.nn.Parameter(torch.ones(3))

@@ -25,19 +25,25 @@ class RMSpropTF(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One pass of multi-tensor kernels (torch._foreach_*) over each group: a handful of
+        kernels a step instead of five per parameter (about 800 tensors for ResNet-50)."""
         for group in self.param_groups:
             lr, decay, eps, mu = group["lr"], group["decay"], group["eps"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["ms"] = torch.ones_like(p)
-                    st["mom"] = torch.zeros_like(p)
-                ms, mom = st["ms"], st["mom"]
-                ms.mul_(decay).addcmul_(p.grad, p.grad, value=1 - decay)
-                mom.mul_(mu).addcdiv_(p.grad, (ms + eps).sqrt_(), value=lr)
-                p.sub_(mom)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(ms=torch.ones_like(p), mom=torch.zeros_like(p))
+            grads = [p.grad for p in params]
+            ms, mom = [self.state[p]["ms"] for p in params], [self.state[p]["mom"] for p in params]
+            torch._foreach_mul_(ms, decay)
+            torch._foreach_addcmul_(ms, grads, grads, value=1 - decay)
+            denom = torch._foreach_add(ms, eps)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_mul_(mom, mu)
+            torch._foreach_addcdiv_(mom, grads, denom, value=lr)
+            torch._foreach_sub_(params, mom)
 
 
 def build_optimizer(cfg, params) -> torch.optim.Optimizer:
@@ -45,7 +51,7 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     o = cfg
     if o.name == "rmsprop-tf":
         return RMSpropTF(params, o.lr, o.decay, o.eps, o.momentum)
-    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum)
+    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, foreach=True)  # multi-tensor kernels, on CPU too
 
 
 def state_keys(cfg) -> tuple[str, ...]:
