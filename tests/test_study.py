@@ -305,6 +305,23 @@ def test_emulated_run_resumes_exactly(tmp_path):
     assert s["start_step"] == 20 and max_diff(straight, resumed) == 0.0
 
 
+def test_emulated_async_allreduce_is_k_gradients_one_update_stale(tmp_path):
+    """K = 4 replicas whose rounds take a step: each update the mean of 4 batches' gradients on the
+    values one update back, i.e. 2 asynchronous workers at 4 times the batch; and it resumes exactly
+    from a checkpoint taken in the middle of an update."""
+    rounds = [*EMU, "strategy.name=async-allreduce", "strategy.emulate_workers=4", "data.batch_size=8"]
+    s, emulated = train_run(tmp_path, "rounds", *rounds)
+    _, two = train_run(tmp_path, "two", *EMU, "strategy.emulate_workers=2", "data.batch_size=32", "train.steps=10")
+    # the same up to the order of float sums (4 batch means averaged against one mean of 32), over 10 updates
+    assert max_diff(emulated, two) <= 1e-4
+    _, fresh = train_run(tmp_path, "fresh", *EMU, "data.batch_size=32", "train.steps=10")
+    assert max_diff(emulated, fresh) > 1e-2  # and not plain training at 4 times the batch: the update is stale
+    assert s["staleness_hist"][:3] == [4, 36, 0] and s["gradients_per_update_mean"] == 4.0
+    train_run(tmp_path, "split", *rounds, "train.steps=22")
+    _, resumed = train_run(tmp_path, "split", *rounds, resume=True)
+    assert max_diff(emulated, resumed) == 0.0
+
+
 def test_emulation_is_single_process_only(capsys):
     assert main(["train", "--recipe", DIGITS, "--set", "strategy.emulate_workers=4", "--set", "cluster.nodes=2"]) == 2
     assert "runs in one process" in capsys.readouterr().err

@@ -175,7 +175,9 @@ class StrategyConfig:
     slow_node: int = opt(-1, "testing: node whose replicas are slowed down (-1 = none)", lo=-1, hi=4095)
     slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
     emulate_workers: int = opt(0, "one process trains as K equal-speed asynchronous workers would: each "
-                               "gradient K-1 updates stale (0 = off; 1..64)", lo=0, hi=64)
+                               "gradient K-1 updates stale; with strategy.name = async-allreduce, as K replicas "
+                               "whose rounds take a step: each update the mean of K gradients one update stale "
+                               "(0 = off; 1..64)", lo=0, hi=64)
     staleness_lr: str = opt("none", "asynchronous updates (async and mixed-async shards, the emulator): none | "
                             "inverse (a gradient's learning rate divided by its staleness + 1, Zhang et al. 2016)",
                             choices=("none", "inverse"))

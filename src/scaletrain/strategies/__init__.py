@@ -46,7 +46,7 @@ def build_strategy(cfg, ctx, model, optimizer, schedule) -> Strategy:
     if cfg.strategy.emulate_workers:
         from .emulate import EmulatedAsync
 
-        return EmulatedAsync(cfg, ctx, model, optimizer, schedule, cfg.strategy.emulate_workers)
+        return EmulatedAsync(cfg, ctx, model, optimizer, schedule, cfg.strategy.emulate_workers, entry(cfg).rounds)
     e = entry(cfg)
     options = {"per_node": e.per_node} if e.uses_ps else {}
     return e.make(cfg, ctx, model, optimizer, schedule, **options)
@@ -67,7 +67,9 @@ def images_per_update(cfg) -> int:
     N-b nodes' batches (backup), one push (asynchronous modes). The learning-rate
     scaling rule (optim.scale_lr) is in this unit, on the PS and in all-reduce alike."""
     e, c = entry(cfg), cfg.cluster
-    if not e.uses_ps or cfg.strategy.emulate_workers:
+    if cfg.strategy.emulate_workers:  # one process: a gradient of one batch, or a round of K (emulate.py)
+        return cfg.data.batch_size * (cfg.strategy.emulate_workers if e.rounds else 1)
+    if not e.uses_ps:
         return c.nodes * c.gpus_per_node * cfg.data.batch_size
     return push_images(cfg) * (wait_for(cfg, c.nodes if e.per_node else c.nodes * c.gpus_per_node)
                                if e.server == "sync" else 1)
