@@ -90,7 +90,21 @@ def test_traffic_per_node(tmp_path):
     assert asyn["shard_bytes"]["max_over_mean"] == pytest.approx(1.16, abs=0.01)
 
 
+@pytest.mark.parametrize("shape, half", [((2, 1, 0, "allreduce"), "fp16"), ((2, 1, 1, "sync"), "bf16")])
+def test_compression_halves_the_bytes_and_keeps_the_accuracy(tmp_path, shape, half):
+    """strategy.compression: gradients (and a PS's values) cross between nodes in a half type."""
+    common = [*cluster(*shape), "data.workers=0", "train.eval_every=0", "train.checkpoint_every=0",
+              "model.norm=group", "data.augment=none", "train.deterministic=true"]  # runs differ by the wire only
+    full, _ = run(tmp_path, "fp32", *common)
+    small, _ = run(tmp_path, half, *common, f"strategy.compression={half}")
+    key = "ps_bytes_per_node_step" if shape[2] else "bytes_per_step"
+    sent = (lambda s: s[key]) if shape[2] else (lambda s: s[key]["worker_sent"])
+    assert sent(small) == pytest.approx(sent(full) / 2, rel=1e-3)
+    assert full["test_accuracy"] > 0.9 and abs(small["test_accuracy"] - full["test_accuracy"]) <= 0.01
+
+
 @pytest.mark.parametrize("overrides, pattern", [
+    (cluster(2, 1, 0, "async-allreduce", "strategy.compression=fp16"), r"strategy\.compression = fp16: acts between"),
     (cluster(2, 1, 3, "sync"), r"cluster\.num_ps = 3 > cluster\.nodes = 2"),
     (cluster(2, 1, 0, "sync"), r"needs at least one parameter server"),
     (cluster(2, 1, 1, "allreduce"), r"uses no parameter server"),

@@ -185,6 +185,9 @@ class StrategyConfig:
                                     "g computed on values w_then corrected to g + lambda * g * g * (w_now - w_then) "
                                     "(0 = off; 0..10^6: products of batch-mean gradients are small, so useful "
                                     "values are large)", lo=0.0, hi=1e6)
+    compression: str = opt("none", "gradients and values on the wire between nodes: none | fp16 | bf16 (half the "
+                           "bytes; an all-reduce sums in that type, a PS shard adds and applies in fp32)",
+                           choices=("none", "fp16", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,10 @@ def _check_relations(cfg: Config) -> None:
         names = " or ".join(n for n, e in REGISTRY.items() if e.server == "async")
         raise ConfigError(f"{' and '.join(stale_aware)}: acts on asynchronous updates, those of strategy.name = "
                           f"{names} or of strategy.emulate_workers; strategy.name = {s.name!r}")
+    if s.compression != "none" and (REGISTRY[s.name].rounds or s.emulate_workers):
+        names = ", ".join(n for n, e in REGISTRY.items() if not e.rounds)
+        raise ConfigError(f"strategy.compression = {s.compression}: acts between the nodes of strategy.name = {names}; "
+                          f"not {s.name!r}{' with strategy.emulate_workers' if s.emulate_workers else ''}")
     if s.emulate_workers and cfg.distributed:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
                           "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")

@@ -74,6 +74,9 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
     c, s = cfg.cluster, cfg.strategy
     if s.emulate_workers:
         raise ModelError("strategy.emulate_workers: an emulation in one process, not a cluster to predict")
+    if s.compression != "none":
+        raise ModelError(f"strategy.compression = {s.compression}: the model's costs are of fp32 transfers; "
+                         "predict with strategy.compression = none")
     if c.gpus_per_node > prof.replicas_per_node:
         raise ModelError(f"cluster.gpus_per_node = {c.gpus_per_node}: the profile's nodes offer "
                          f"{prof.replicas_per_node} replicas")

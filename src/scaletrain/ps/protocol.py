@@ -1,7 +1,8 @@
 """Messages between pushers and PS shards: tensors over torch.distributed, tagged.
 
 A message to a shard is a header [version, command, flag] (int64); a PUSH
-then carries the shard's gradient slice (float32). The flag of a PUSH holds
+then carries the shard's gradient slice (float32, or the half type of
+strategy.compression, as do the replies' values). The flag of a PUSH holds
 its sender's requests (dist.CHECKPOINT, dist.STOP: a stop signal, a timed
 checkpoint): the shard makes its next update an agreed point, and every reply
 of that point carries the requests (ASKED), so all workers act on the same. The flag of a STOP is the number
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+# strategy.compression: the type a PUSH's gradient and a reply's values travel in (None: float32)
+WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEADER = 3
 PUSH, STOP, SNAPSHOT, PULL, LOST = 0, 1, 2, 3, 4
 HOLD, DONE = 1, 2  # reply flags (bits)

@@ -78,7 +78,11 @@ class Shard:
         self.bytes_sent = self.bytes_recv = 0
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
-        self.grad = torch.empty_like(self.values)  # where a push's gradient is received
+        wire = P.WIRE[cfg.strategy.compression]
+        # a push's gradient and a reply's values in the wire's type (strategy.compression); added and applied in fp32
+        self.received = torch.empty(self.values.shape, dtype=wire) if wire else None
+        self.replied = torch.empty(self.values.shape, dtype=wire) if wire else None
+        self.grad = torch.empty_like(self.values)
         self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
         self.waiting: list[tuple[int, int, int]] = []  # pushes (src, version, requests) held to the hold's end
         self.asked = 0  # requests pushers hold: the next update is an agreed point
@@ -134,12 +138,12 @@ class Shard:
                 self._receive(src, version, int(hdr[2]))
 
     def _receive(self, src: int, version: int, requests: int) -> None:
-        grad = self.grad
-        if self._talk(src, lambda: dist.recv(grad, src=src, tag=P.TAG_VALS)):
-            self.bytes_recv += grad.numel() * grad.element_size()
+        wire = self.grad if self.received is None else self.received
+        if self._talk(src, lambda: dist.recv(wire, src=src, tag=P.TAG_VALS)):
+            self.bytes_recv += wire.numel() * wire.element_size()
             if not (self.holding or self.done):
                 self.asked |= requests
-            self._push(src, version, grad)
+            self._push(src, version, self.grad if wire is self.grad else self.grad.copy_(wire))
 
     def _drop(self, rank: int) -> None:
         """A pusher lost for good: go on without it."""
@@ -241,6 +245,8 @@ class Shard:
 
     def _reply(self, dsts: list[int]) -> None:
         vals = self.values.detach()
+        if self.received is not None:  # in the wire's type; a pusher computes on these rounded values
+            vals = self.replied.copy_(vals)
         flags = (P.HOLD | self.point_asked << P.ASKED if self.holding or self.done else 0) | \
             (P.DONE if self.done else 0)
         hdr = P.header(self.version, flags, self.images)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dist import Context
+from ..ps.protocol import WIRE
 from ..schedule import Schedule
 
 
@@ -60,6 +61,7 @@ class Strategy:
         self._buffers: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self.images = 0  # where every replica applies every update: the job's progress
+        self.wire = WIRE[cfg.strategy.compression]  # the type gradients and values travel in between nodes
 
     def step(self, lr: float) -> Tick:
         raise NotImplementedError

@@ -86,7 +86,7 @@ class PSClient(Strategy):
         for k, hdr_out, payload in msgs:
             server = self.servers[k]
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
-            vals = self.buffer(f"reply {k}", self.layout.numel(k), torch.float32, torch.device("cpu"))
+            vals = self.buffer(f"reply {k}", self.layout.numel(k), self.wire or torch.float32, torch.device("cpu"))
             # Post the receives first: the server answers as soon as it has applied.
             works += [dist.irecv(hdr, src=server, tag=P.TAG_REPLY_HDR),
                       dist.irecv(vals, src=server, tag=P.TAG_REPLY_VALS)]
@@ -115,14 +115,19 @@ class PSClient(Strategy):
         agreed point and another answered before reaching it, PULL that one's point values,
         so this node leaves the point with every shard's values of it."""
         asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards hold at the next update
-        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), gather(
-            grads, self.layout.shards[k], self.buffer(f"push {k}", self.layout.numel(k), grads[0].dtype, grads[0].device)))
-            for k in range(len(self.servers))])
+        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), self._payload(grads, k))
+                               for k in range(len(self.servers))])
         behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
         if len(behind) < len(hdrs):
             for k, h in zip(behind, self._exchange([(k, P.header(0, P.PULL), None) for k in behind])):
                 hdrs[k] = h
         return int(hdrs[0][2]), int(hdrs[0][1])
+
+    def _payload(self, grads: list[torch.Tensor], k: int) -> torch.Tensor:
+        """Shard k's slice of the gradient, in the wire's type (strategy.compression)."""
+        n, g = self.layout.numel(k), grads[0]
+        flat = gather(grads, self.layout.shards[k], self.buffer(f"push {k}", n, g.dtype, g.device))
+        return flat if self.wire is None else self.buffer(f"wire {k}", n, self.wire, g.device).copy_(flat)
 
     def snapshot(self) -> dict:
         """Every shard's version, values, images and optimizer state. Asked at an
