@@ -1,0 +1,111 @@
+"""`scaletrain train` with allreduce against a bare DistributedDataParallel loop.
+
+The same model, batch per replica, synthetic data and SGD, on R replicas of
+this host (processes, gloo, one thread each): R = 2 and 4 by default. The
+bare loop is what a user would write by hand: DDP around the model, one
+batch already in memory, no loader, no checkpoints, no metrics. Runs
+alternate (bare, scaletrain, bare, ...) so the host's slow and fast spells
+hit both; per R the figure is the ratio of the medians of the job's images/s
+(all replicas' images over the measured steps' wall time). Prints one JSON
+object.
+
+    python benchmarks/ddp_parity.py [--replicas 2 4] [--model resnet20 --image-size 32 --batch 32 --steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scaletrain.config import build_config
+from scaletrain.data import Prepare, build_datasets
+from scaletrain.data.loader import collate
+from scaletrain.launch.local import free_port
+from scaletrain.metrics import run_info
+from scaletrain.models import build_model
+from scaletrain.run import run_training
+
+
+def bare_replica(rank: int, world: int, port: int, cfg, steps: int, warmup: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(build_model(cfg.model))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+                          weight_decay=cfg.optim.weight_decay)
+    train_set, _, _ = build_datasets(cfg)
+    b = cfg.data.batch_size
+    xs, ys = Prepare([], train_set.stats, torch.device("cpu"))(
+        collate([(*train_set[rank * b + i], None) for i in range(b)]))
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(xs), ys)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    dist.barrier()
+    if rank == 0:
+        out.put(world * steps * b / (time.perf_counter() - t0))
+    dist.destroy_process_group()
+
+
+def bare(cfg, world: int, steps: int, warmup: int) -> float:
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(bare_replica, args=(world, free_port("127.0.0.1"), cfg, steps, warmup, out), nprocs=world,
+                       start_method="spawn")
+    return out.get()
+
+
+def ours(cfg, world: int) -> float:
+    job = cfg.replace(**{"cluster.nodes": 1, "cluster.gpus_per_node": world, "strategy.name": "allreduce"})
+    with tempfile.TemporaryDirectory() as d:
+        return run_training(job, Path(d) / "run", progress=False)["images_per_sec"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--model", default="resnet20")
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="images per replica per step")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    rows = []
+    for world in a.replicas:
+        cfg = build_config({
+            "model": {"name": a.model, "num_classes": 10},
+            "data": {"name": "synthetic", "image_size": a.image_size, "batch_size": a.batch, "workers": 0,
+                     "augment": [], "synthetic_size": a.batch * world * 4},
+            "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4},
+            "train": {"steps": a.steps + a.warmup, "warmup_log_steps": a.warmup, "log_every": 10, "threads": 1,
+                      "eval_every": 0, "checkpoint_every": 0},
+        })
+        b, s = [], []
+        for _ in range(a.repeats):
+            b.append(bare(cfg, world, a.steps, a.warmup))
+            s.append(ours(cfg, world))
+        rows.append({"replicas": world, "bare_ddp_images_per_sec": b, "scaletrain_images_per_sec": s,
+                     "ratio": statistics.median(s) / statistics.median(b)})
+    print(json.dumps({"benchmark": "ddp_parity", "model": a.model, "image_size": a.image_size,
+                      "batch_per_replica": a.batch, "steps": a.steps, "repeats": a.repeats, "backend": "gloo",
+                      "rows": rows, "min_ratio": min(r["ratio"] for r in rows), **run_info(torch.device("cpu"))},
+                     indent=2))
+
+
+if __name__ == "__main__":
+    main()
