@@ -79,9 +79,9 @@ class Shard:
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
         wire = P.WIRE[cfg.strategy.compression]
-        # a push's gradient and a reply's values in the wire's type (strategy.compression); added and applied in fp32
-        self.received = torch.empty(self.values.shape, dtype=wire) if wire else None
-        self.replied = torch.empty(self.values.shape, dtype=wire) if wire else None
+        # In the wire's type (strategy.compression): a push's gradient as it comes in (then added and
+        # applied in fp32), and a reply's values as they go out; one thread does both in turn.
+        self.wire = torch.empty(self.values.shape, dtype=wire) if wire else None
         self.grad = torch.empty_like(self.values)
         self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
         self.waiting: list[tuple[int, int, int]] = []  # pushes (src, version, requests) held to the hold's end
@@ -138,7 +138,7 @@ class Shard:
                 self._receive(src, version, int(hdr[2]))
 
     def _receive(self, src: int, version: int, requests: int) -> None:
-        wire = self.grad if self.received is None else self.received
+        wire = self.grad if self.wire is None else self.wire
         if self._talk(src, lambda: dist.recv(wire, src=src, tag=P.TAG_VALS)):
             self.bytes_recv += wire.numel() * wire.element_size()
             if not (self.holding or self.done):
@@ -245,8 +245,8 @@ class Shard:
 
     def _reply(self, dsts: list[int]) -> None:
         vals = self.values.detach()
-        if self.received is not None:  # in the wire's type; a pusher computes on these rounded values
-            vals = self.replied.copy_(vals)
+        if self.wire is not None:  # a pusher computes on these rounded values
+            vals = self.wire.copy_(vals)
         flags = (P.HOLD | self.point_asked << P.ASKED if self.holding or self.done else 0) | \
             (P.DONE if self.done else 0)
         hdr = P.header(self.version, flags, self.images)

@@ -124,10 +124,10 @@ class PSClient(Strategy):
         return int(hdrs[0][2]), int(hdrs[0][1])
 
     def _payload(self, grads: list[torch.Tensor], k: int) -> torch.Tensor:
-        """Shard k's slice of the gradient, in the wire's type (strategy.compression)."""
-        n, g = self.layout.numel(k), grads[0]
-        flat = gather(grads, self.layout.shards[k], self.buffer(f"push {k}", n, g.dtype, g.device))
-        return flat if self.wire is None else self.buffer(f"wire {k}", n, self.wire, g.device).copy_(flat)
+        """Shard k's slice of the gradient, gathered straight into the wire's type (strategy.compression)."""
+        g = grads[0]
+        return gather(grads, self.layout.shards[k], self.buffer(f"push {k}", self.layout.numel(k),
+                                                                self.wire or g.dtype, g.device))
 
     def snapshot(self) -> dict:
         """Every shard's version, values, images and optimizer state. Asked at an
