@@ -56,6 +56,7 @@ class Context:
     timeout_s: float = 60.0
     node_group: object = None     # workers of this node (None when alone)
     workers_group: object = None  # all workers (None when alone)
+    workers_cpu_group: object = None  # all workers over gloo, for host tensors (workers_group itself on CPU)
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
     requests: int = 0  # CHECKPOINT | STOP bits asked of this process and not yet agreed
     stop_signal: int = 0  # the number of the signal that asked for the stop (-1: heard of, not which)
@@ -150,8 +151,11 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
             ctx.node_group = g
     g = dist.new_group([p.rank for p in plan.workers], timeout=timeout, backend=local_backend)
     groups.append(g)
+    cpu_g = g if local_backend == "gloo" else dist.new_group([p.rank for p in plan.workers], timeout=timeout,
+                                                             backend="gloo")
+    groups += [cpu_g] if cpu_g is not g else []
     if ctx.me.role == "worker" and len(plan.workers) > 1:
-        ctx.workers_group = g
+        ctx.workers_group, ctx.workers_cpu_group = g, cpu_g
     # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.
     for g in [None] + [g for g in groups if not dist.distributed_c10d._rank_not_in_group(g)]:
         dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, g)

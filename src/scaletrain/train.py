@@ -109,6 +109,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
         resume = prepare_run_dir(run_dir, resume, cfg)
     setup_process(cfg)
     device = pick_device(cfg) if ctx.me.device == "cpu" or not ctx.distributed else torch.device(ctx.me.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's kernels, NCCL and caching allocator on its own GPU only
     torch.manual_seed(cfg.train.seed)
     train_set, test_set, classes = build_datasets(cfg)
     model = build_model(cfg.model).to(device)
@@ -135,7 +137,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     else:
         loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
                                  rank=ctx.me.index, pin=device.type == "cuda")
-        work = Backprop(cfg, model, opt, loader, run.usable, device)
+        work = Backprop(cfg, strategy.wrap(), opt, loader, run.usable, device)
     update_images = images_per_update(cfg)
     slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
     model.train()

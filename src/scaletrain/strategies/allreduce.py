@@ -1,14 +1,35 @@
-"""All-reduce: no parameter server; replicas average gradients and step identical optimizers."""
+"""All-reduce: no parameter server; replicas average gradients and step identical optimizers.
+
+Where the replica runs backward, its forward goes through DistributedDataParallel
+(`wrap`): the gradients are all-reduced in buckets while backward still runs, and
+backward returns with them averaged. strategy.compression puts a DDP
+communication hook on it that sends the buckets in a half type. Where nothing runs
+backward (train.emulate_compute_s fills .grad itself, compute.py) there are no
+hooks to fire, and `step` averages every gradient in one flat all-reduce instead.
+
+Whether any replica holds a request (a stop signal, a timed checkpoint) travels in
+a one-element all-reduce started at the end of a step and read at the next: it
+overlaps that step's compute and costs no host-device sync, and every replica makes
+the same step its agreed point, one step after the request came.
+"""
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from .base import Strategy, Tick
+
+# DDP communication hooks that divide each bucket by the group's size and all-reduce it in a half type.
+NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in \
+    inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers"
+HOOKS = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}
 
 
 def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what: str = "comm_s",
@@ -31,33 +52,75 @@ def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what:
     else:
         flat.copy_(wire)
     if counters:
-        moved = int(2 * (size - 1) / size * moving.numel() * moving.element_size())
-        if what == "intra_s":
-            counters.intra_bytes += moved
-        else:
-            counters.bytes_sent += moved
-            counters.bytes_recv += moved
+        count_ring(counters, size, moving.numel() * moving.element_size(), what)
     for t, v in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
         t.copy_(v)
+
+
+def count_ring(counters, size: int, nbytes: int, what: str = "comm_s") -> None:
+    """Count what a ring all-reduce of `nbytes` moves for each member: 2(n-1)/n of it sent and received."""
+    moved = int(2 * (size - 1) / size * nbytes)
+    if what == "intra_s":
+        counters.intra_bytes += moved
+    else:
+        counters.bytes_sent += moved
+        counters.bytes_recv += moved
 
 
 class AllReduce(Strategy):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.world = len(self.ctx.plan.workers)
+        self.group = self.ctx.workers_group  # None when this is the only replica
+        self.ddp: DistributedDataParallel | None = None
+        self.flag = torch.zeros(1)  # on the host: reading it syncs no device
+        self.asking = None  # the flag's all-reduce in flight (a torch.distributed Work)
+
+    def wrap(self) -> torch.nn.Module:
+        if self.group is None:
+            return self.model
+        if self.ddp is None:
+            dev = self.params[0].device
+            # init_sync off: every replica already holds the same values (one seed, or one checkpoint), and
+            # a broadcast from replica 0 would overwrite each replica's own BatchNorm statistics on resume.
+            # No broadcast before each forward either, for the same statistics (replicas.py evaluates and
+            # saves them); torch 2.13 renamed that switch.
+            self.ddp = DistributedDataParallel(
+                self.model, device_ids=[dev] if dev.type == "cuda" else None, process_group=self.group,
+                init_sync=False, gradient_as_bucket_view=True, **{NO_BUFFER_SYNC: False})
+            if self.wire is not None:
+                self.ddp.register_comm_hook(self.group, HOOKS[self.wire])
+        return self.ddp
 
     def step(self, lr: float) -> Tick:
         asked = None
-        if self.ctx.workers_group is not None:
-            # One more element in the step's all-reduce: whether any replica holds a request (a stop
-            # signal, a timed checkpoint), so all of them make this step an agreed point.
-            flag = torch.full((1,), float(bool(self.ctx.requests)), device=self.params[0].device)
-            grads = self.grads() + [flag]
-            average_(grads, self.ctx.workers_group, self.world, self.counters, "comm_s",
-                     self.buffer("grads", self.numel + 1, flag.dtype, flag.device),
-                     self.wire and self.buffer("wire", self.numel + 1, self.wire, flag.device))
-            asked = bool(flag.item())  # host-device sync on GPU
+        if self.group is not None:
+            grads = self.grads()
+            if self.ddp is None:  # no backward ran through DDP: average here
+                dev, dtype = grads[0].device, grads[0].dtype
+                with self.counters.timed("comm_s"):
+                    average_(grads, self.group, self.world, out=self.buffer("grads", self.numel, dtype, dev),
+                             wire=self.wire and self.buffer("wire", self.numel, self.wire, dev))
+            count_ring(self.counters, self.world, self.numel * (self.wire or grads[0].dtype).itemsize)
+            asked = self._asked()
         self.set_lr(lr)
         self.optimizer.step()
         self.counters.steps += 1
-        return self.advance(self.schedule.step_images, asked)
+        tick = self.advance(self.schedule.step_images, asked)
+        if self.group is not None and not tick.stop:
+            self.flag.fill_(float(bool(self.ctx.requests)))
+            self.asking = dist.all_reduce(self.flag, group=self.ctx.workers_cpu_group, async_op=True)  # collective
+        return tick
+
+    def finish(self, stopped: int = 0) -> None:
+        if self.asking is not None:  # every replica started it: it completes
+            self.asking.wait()
+
+    def _asked(self) -> bool:
+        """Whether any replica held a request at the end of the previous step."""
+        if self.asking is None:
+            return False
+        with self.counters.timed("comm_s"):
+            self.asking.wait()  # in flight since the previous step: done by now unless a replica lags
+        self.asking = None
+        return bool(self.flag.item())

@@ -63,6 +63,11 @@ class Strategy:
         self.images = 0  # where every replica applies every update: the job's progress
         self.wire = WIRE[cfg.strategy.compression]  # the type gradients and values travel in between nodes
 
+    def wrap(self) -> torch.nn.Module:
+        """The module a replica's forward and backward run through: the model itself, or a wrapper
+        that communicates while backward runs (allreduce: DistributedDataParallel)."""
+        return self.model
+
     def step(self, lr: float) -> Tick:
         raise NotImplementedError
 
