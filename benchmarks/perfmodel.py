@@ -26,7 +26,7 @@ sync against mixed-async at 2 to 16 nodes.
 
 Prints one JSON object (about 20 minutes on two quiet cores).
 
-    python benchmarks/perfmodel.py [--out runs/perfmodel] [--steps 30] [--regimes plain emulated]
+    python benchmarks/perfmodel.py [--out runs/perfmodel] [--steps 30] [--regimes plain emulated] [--rescore]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from strategies import stdout_to_stderr
 from scaletrain.cli import main as cli
 from scaletrain.config import load_config
 from scaletrain.perfmodel.predict import predict
-from scaletrain.perfmodel.calibrate import median_profile
+from scaletrain.perfmodel.calibrate import median_profile, rederive
 from scaletrain.perfmodel.profile import dump_profile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def grids_of(items: list[str]) -> list[str]:
     return [a for g in items for a in ("--grid", g)]
 
 
-def regime(name: str, out: Path, steps: int) -> dict:
+def regime(name: str, out: Path, steps: int, rescore: bool = False) -> dict:
     extra, slow_s, windows, rounds = REGIMES[name]
     sets = sets_of(COMMON + extra)
     bench = ["--warmup", "5", "--steps", str(steps)]
@@ -89,14 +89,20 @@ def regime(name: str, out: Path, steps: int) -> dict:
             win = out / f"window{w + 1}" if windows > 1 else out
             profiles.append(win / "local.toml")
             dirs += [win / "bench", win / "slowed"]
+            if rescore:  # this version's profile from the calibration's measurements; the bench as it ran
+                again = rederive(profiles[-1], load_config(RECIPE, COMMON + extra))
+                profiles[-1] = win / "local-rescored.toml"
+                profiles[-1].write_text(dump_profile(*again))
+                continue
             rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--runs", str(rounds), "--out", str(profiles[-1])])
             rc = rc or cli(["bench", "--recipe", RECIPE, *sets, *grids_of(GRID), *bench, "--out", str(dirs[-2])])
             rc = rc or cli(["bench", "--recipe", RECIPE, *sets, "--set", f"strategy.slow_delay_s={slow_s}",
                             *grids_of(SLOWED), *bench, "--out", str(dirs[-1])])
             if rc:
                 sys.exit(rc)
-        prof = out / "local.toml"
+        prof = profiles[0]
         if windows > 1:
+            prof = out / "local.toml"
             prof.write_text(dump_profile(*median_profile(profiles)))
             dirs = [mean_rows(dirs[k::2], out / kind) for k, kind in enumerate(("bench", "slowed"))]
         rc = cli(["predict", "--profile", str(prof), "--validate", *map(str, dirs), "--out", str(out)])
@@ -173,9 +179,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs/perfmodel")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
+    ap.add_argument("--rescore", action="store_true",
+                    help="measure nothing: score the model of this version on the calibrations and bench rows "
+                         "an earlier run left in --out")
     args = ap.parse_args()
-    print(json.dumps({**{name: regime(name, args.out / name, args.steps) for name in args.regimes}, **study()},
-                     indent=1))
+    print(json.dumps({**{name: regime(name, args.out / name, args.steps, args.rescore) for name in args.regimes},
+                      **study()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -422,6 +422,31 @@ def test_recommend_cli_batch_options():
     assert r.returncode == 2 and "no batch tried fits the device" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_derive_charges_a_loaded_jobs_communication_to_its_bytes():
+    """calibrate's jobs on a shared host: what the 2-replica job's step has beyond compute, optimizer
+    and the microbenchmark's ring slows the ring's bytes, not its latency; so does the PS job's."""
+    from scaletrain.perfmodel.calibrate import BIG_MIN, derive
+    from scaletrain.perfmodel.setup import param_numels
+
+    cfg = cfg_of(gpus=2)
+    nbytes, big = 4 * sum(param_numels(cfg.model)), BIG_MIN
+    ring_alone = 2 * 1e-4 + nbytes / 1e9  # 2 replicas: 2 (latency + bytes / (2 bandwidth))
+    m = {"cpu": {"optimizer_s": 1e-3, "accumulate_s": 1e-4, "copy_s": 1e-4},
+         "job1": {"step_s": 0.021}, "job1_other_batch": {"step_s": 0.011},
+         "p2p": {"p2p_1": 5e-5, f"p2p_{big}": 5e-5 + 4 * big / 2e9,  # 50 us, 2 GB/s one way
+                 "ar_1": 2e-4, f"ar_{big}": 2e-4 + 4 * big / 1e9},    # ring over 2: 100 us, 1 GB/s
+         "job2": {"step_s": 0.020 + 1e-3 + ring_alone + 4 * nbytes / 1e9},  # the bytes 5x as slow
+         "ps_job": {"step_s": 0.05}}
+    host = {"device": "cpu", "gpus": 0, "cores": 2, "allreduce_over": 2, "big_elements": big, "other_batch": 16}
+    p, about = derive(cfg, m, host, say=lambda *_: None)
+    assert p.compute_s == pytest.approx(0.020) and p.optimizer_s == pytest.approx(1e-3)
+    assert p.intra_latency == pytest.approx(1e-4) and p.intra_bandwidth == pytest.approx(1e9 / 5)
+    f = about["transfer_load"]
+    assert f > 1 and p.net_latency == pytest.approx(5e-5) and p.net_bandwidth == pytest.approx(2e9 / f, rel=1e-3)
+    ps = predict(cfg_of("sync", nodes=2, gpus=1, ps=1), p)
+    assert ps["step_s"] == pytest.approx(0.05, rel=1e-3)  # the factor makes the model's PS job the measured one
+
+
 def test_calibrate_batch_line():
     from scaletrain.perfmodel.calibrate import batch_line
 
@@ -472,7 +497,12 @@ def test_calibrate_bench_validate_report(tmp_path):
     assert [x.split(":")[0].strip() for x in r.stdout.splitlines() if x.startswith("  round")] == \
         [f"round {j} of 3" for j in (1, 2, 3)], r.stdout
     assert {"cpu.optimizer_s", "cpu.copy_s", "job1.step_s", "job1_other_batch.step_s", "job2.step_s",
-            "ps_job.step_s"} <= set(about["spread"]) and about["runs"] == 3
+            "ps_job.step_s"} <= set(about["spread"]) == set(about["measured"]) and about["runs"] == 3
+    # The measurements it kept give the same profile again.
+    from scaletrain.perfmodel.calibrate import rederive
+    again, _ = rederive(prof, load_config(ROOT / "recipes/digits.toml", [s for s in sets if s != "--set"]),
+                        say=lambda *_: None)
+    assert again == p
     bench = tmp_path / "bench"
     r = run("bench", "--recipe", "recipes/digits.toml", *sets, "--grid", "cluster.nodes=1,2",
             "--grid", "strategy.name+cluster.num_ps=allreduce:0,mixed-async:1", "--warmup", "3", "--steps", "12",

@@ -14,17 +14,17 @@
 - all-reduce: N processes all-reducing the same two sizes; the ring formula
   solved for latency and bandwidth;
 - on a shared host, a real 2-replica all-reduce job: alone, the all-reduce
-  microbenchmark runs with cores to spare, while in a job the ring waits for
-  both replicas to get a core back from computing. The job's step less
-  compute and optimizer is its all-reduce under load; the all-reduce's
-  latency is multiplied and its bandwidth divided by its ratio to the
-  microbenchmark's (never below 1);
+  microbenchmark runs with cores to spare, while in a job its bytes are
+  copied by cores the job's other copies use. The job's step less compute
+  and optimizer is its all-reduce under load; the all-reduce's bandwidth is
+  divided by the factor (never below 1) that makes the ring that long. Its
+  latency stays the microbenchmark's: waiting for the peer holds no core,
+  and where replicas outnumber cores the others compute meanwhile;
 - on a shared host, a real 2-node sync job with one PS: its transfers
   compete for the CPU and memory the job's other copies use, by an amount
   that depends on the gradient's size (whether it fits a cache). The
-  point-to-point latency is multiplied and the bandwidths divided by the
-  factor (never below 1) that makes the model's step of that job the
-  measured one.
+  bandwidths are divided by the factor (never below 1) that makes the
+  model's step of that job the measured one; the latency stays.
 
 Each figure is the median of several rounds, each of which measures every
 figure once (separate jobs and process pairs): loopback timings on a loaded
@@ -159,19 +159,20 @@ PS_JOB = {"nodes": 2, "num_ps": 1, "strategy": "sync"}  # the job that sets the 
 
 
 def fit_transfer_load(prof: Profile, cfg: Config, step_s: float) -> float:
-    """The factor f >= 1 by which a PS job's transfers are slower than the point-to-point
-    microbenchmark's: the model's step of PS_JOB with latency x f and bandwidths / f equals
-    the measured `step_s`. Loopback moves bytes with the CPU and memory the job's other
-    copies are using; how much that costs depends on the sizes, which cache they fit."""
+    """The factor f >= 1 by which a PS job's transfers move their bytes slower than the
+    point-to-point microbenchmark: the model's step of PS_JOB with bandwidths / f equals the
+    measured `step_s`. Loopback moves bytes with the CPU and memory the job's other copies are
+    using; how much that costs depends on the sizes, which cache they fit. Latency is waiting
+    for the peer, which holds no core: it stays the microbenchmark's."""
     from .predict import predict
 
     job = job_config(cfg, 1, **PS_JOB)
 
     def predicted(f: float) -> float:
-        return predict(job, replace(prof, net_latency=prof.net_latency * f, net_bandwidth=prof.net_bandwidth / f,
+        return predict(job, replace(prof, net_bandwidth=prof.net_bandwidth / f,
                                     local_bandwidth=prof.local_bandwidth / f))["step_s"]
 
-    lo, hi = 1.0, 1000.0
+    lo, hi = 1.0, 1e5
     if predicted(lo) >= step_s:
         return lo
     if predicted(hi) <= step_s:
@@ -233,23 +234,20 @@ def rounds(measures: dict[str, Any], runs: int, say=print) -> tuple[dict[str, di
 
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print) -> tuple[Profile, dict]:
     """Every figure is measured in `runs` rounds (jobs and process pairs started afresh each
-    time, every figure once a round); the profile holds the medians and its [about] table each
-    figure's spread."""
-    from .costs import ring_allreduce_s
+    time, every figure once a round); the profile holds what derive() makes of their medians,
+    and its [about] table the medians themselves ("measured") and each figure's spread."""
     from .setup import param_numels
     from ..train import pick_device
 
     numel = sum(param_numels(cfg.model))
-    nbytes = 4 * numel
     gpu = pick_device(cfg).type == "cuda"
     emulated = cfg.train.emulate_compute_s > 0
     cores = os.cpu_count() or 1
     n = max(2, min(4, torch.cuda.device_count() if gpu else cores))
     backend = "nccl" if gpu and n <= torch.cuda.device_count() else "gloo"
     big = max(numel, BIG_MIN)
-    b_ref = cfg.data.batch_size
-    b_other = b_ref // 2 if b_ref > 1 else 2
-    say(f"calibrate: {cfg.model.name}, {numel:,} parameters ({nbytes / 1e6:.2f} MB of gradient), "
+    b_other = cfg.data.batch_size // 2 if cfg.data.batch_size > 1 else 2
+    say(f"calibrate: {cfg.model.name}, {numel:,} parameters ({4 * numel / 1e6:.2f} MB of gradient), "
         f"each figure the median of {runs} rounds")
     device = "cpu"
 
@@ -271,6 +269,25 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         **({} if gpu else {"job2": lambda: job(cfg, 2), "ps_job": lambda: job(cfg, 1, **PS_JOB)}),
     }
     m, spreads = rounds(measures, runs, say)
+    host = {"device": device, "gpus": torch.cuda.device_count() if gpu else 0, "cores": cores,
+            "allreduce_over": n, "big_elements": big, "other_batch": b_other}
+    prof, about = derive(cfg, m, host, say)
+    about.update(source=f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
+                 torch=torch.__version__, runs=runs, host=host,
+                 measured={f"{name}.{k}": v for name, figs in m.items() for k, v in figs.items()}, spread=spreads)
+    return prof, about
+
+
+def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -> tuple[Profile, dict]:
+    """The profile from calibrate's measurements `m` (name -> figure -> seconds) on `host`
+    (calibrate's description of the machine; both are kept in a calibrated profile's [about],
+    so that one can be derived again: rederive)."""
+    from .costs import ring_allreduce_s
+    from .setup import param_numels
+
+    nbytes = 4 * sum(param_numels(cfg.model))
+    gpu, emulated, cores, device = host["gpus"] > 0, cfg.train.emulate_compute_s > 0, host["cores"], host["device"]
+    n, big, b_other = host["allreduce_over"], host["big_elements"], host["other_batch"]
     cpu = m["cpu"]
     opt_s = cpu["optimizer_s"]
     say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient); "
@@ -282,7 +299,8 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     compute_base = 0.0
     if not emulated:
         other_s = m["job1_other_batch"]["step_s"]
-        compute_base, _ = batch_line(b_ref, compute_s, b_other, max(other_s - (0.0 if gpu else opt_s), 1e-6))
+        compute_base, _ = batch_line(cfg.data.batch_size, compute_s, b_other,
+                                     max(other_s - (0.0 if gpu else opt_s), 1e-6))
         say(f"  at batch {b_other}: {other_s * 1e3:.2f} ms; {compute_base * 1e3:.2f} ms of compute do not "
             f"grow with the batch")
     p2p = m["p2p"]
@@ -292,14 +310,22 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     ilat, ibw = ring_alpha_beta(n, ar[f"ar_{SMALL}"], ar[f"ar_{big}"], 4 * big)
     say(f"  all-reduce over {n} of {4 * big / 1e6:.0f} MB: {ar[f'ar_{big}'] * 1e3:.2f} ms; latency {ilat * 1e6:.0f} us, "
         f"{ibw / 1e9:.2f} GB/s")
+    about: dict[str, Any] = {
+        "device": device, "cores": cores,
+        "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")
+        + (f"; compute emulated: train.emulate_compute_s = {cfg.train.emulate_compute_s}" if emulated else "")}
     if not gpu:
+        # The 2-replica job's all-reduce beyond the microbenchmark's is charged to its bytes: on one
+        # host the cores copy them, and the job's other copies hold those cores; the latency is
+        # waiting for the peer, which holds none (others compute meanwhile).
         job_s = m["job2"]["step_s"]
-        alone = ring_allreduce_s(2, nbytes, ibw, ilat)
-        load = max(1.0, (job_s - compute_s - opt_s) / alone)
-        say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; communication {load:.2f} x the microbenchmark's")
-        ilat, ibw = ilat * load, ibw / load
+        ring = ring_allreduce_s(2, nbytes, ibw, ilat)
+        load = max(1.0, (job_s - compute_s - opt_s - (ring - nbytes / ibw)) / (nbytes / ibw))
+        say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; the all-reduce's bytes {load:.2f} x as slow as "
+            "in the microbenchmark")
+        ibw = ibw / load
     prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
-                   gradient_bytes=nbytes, replicas_per_node=torch.cuda.device_count() if gpu else cores,
+                   gradient_bytes=nbytes, replicas_per_node=host["gpus"] or cores,
                    compute_s=compute_s, compute_base_s=min(compute_base, 0.999 * compute_s),
                    # Device memory is left unlimited (0) and unmeasured: on CPU the batch shares
                    # the host's RAM with everything else, no fixed device limit; on a GPU set
@@ -308,18 +334,29 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
                    local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, ps_accumulate_rate=nbytes / cpu["accumulate_s"],
                    ps_overlap=False, shared_cores=0 if gpu else cores, compute_on_cores=not (gpu or emulated))
-    about = {"source": f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
-             "device": device, "torch": torch.__version__, "cores": cores, "runs": runs,
-             "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")
-             + (f"; compute emulated: train.emulate_compute_s = {cfg.train.emulate_compute_s}" if emulated else ""),
-             "spread": spreads}
     if not gpu:
         ps_s = m["ps_job"]["step_s"]
         f = fit_transfer_load(prof, cfg, ps_s)
-        say(f"  2-node sync job with 1 PS: {ps_s * 1e3:.2f} ms a step; transfers {f:.2f} x the microbenchmark's")
-        prof = replace(prof, net_latency=lat * f, net_bandwidth=bw / f, local_bandwidth=bw / f)
+        say(f"  2-node sync job with 1 PS: {ps_s * 1e3:.2f} ms a step; transfers' bytes {f:.2f} x as slow as "
+            "in the microbenchmark")
+        prof = replace(prof, net_bandwidth=bw / f, local_bandwidth=bw / f)
         about["transfer_load"] = round(f, 4)
     return prof, about
+
+
+def rederive(path: Path, cfg: Config, say=print) -> tuple[Profile, dict]:
+    """The profile a calibration in `path` gives with this version's derive(), from the
+    measurements it kept."""
+    _, about = load_profile(path)
+    if "measured" not in about or "host" not in about:
+        raise ProfileError(f"profile {path}: no [about.measured] and [about.host] tables: not written by "
+                           "this version of scaletrain calibrate; calibrate again")
+    m: dict[str, dict[str, float]] = {}
+    for key, v in about["measured"].items():
+        name, fig = key.split(".", 1)
+        m.setdefault(name, {})[fig] = v
+    prof, derived = derive(cfg, m, about["host"], say)
+    return prof, {**about, **derived}
 
 
 def median_profile(paths: list[Path]) -> tuple[Profile, dict]:
@@ -338,8 +375,8 @@ def median_profile(paths: list[Path]) -> tuple[Profile, dict]:
             i = next(i for i, v in enumerate(values) if v != values[0])
             raise ProfileError(f"{paths[i]}: {f.name} = {values[i]!r}, not {values[0]!r} as in {paths[0]}: "
                                "calibrations of different setups")
-    about = {**loaded[0][1], "source": f"median of {len(paths)} calibrations: " + ", ".join(map(str, paths)),
-             "spread": spreads}
+    about = {**{k: v for k, v in loaded[0][1].items() if k != "measured"},  # each calibration keeps its own
+             "source": f"median of {len(paths)} calibrations: " + ", ".join(map(str, paths)), "spread": spreads}
     loads = [a["transfer_load"] for _, a in loaded if "transfer_load" in a]
     if loads:
         about["transfer_load"] = statistics.median(loads)
