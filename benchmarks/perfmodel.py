@@ -53,11 +53,13 @@ COMMON = ["data.workers=0", "optim.warmup_steps=0", "cluster.gpus_per_node=2"]
 # gradient weigh against compute about as in the study (benchmarks/emulated.py says how).
 EMULATED_T = 0.12
 # Per regime: its settings, the slowed node's extra seconds a step, the windows (each a
-# calibration followed by one pass over the grid) and the calibration's rounds in each (above).
-REGIMES = {"plain": ([], 0.1, 3, 1),
+# calibration followed by one pass over the grid), the calibration's rounds in each (above) and
+# the timed steps of its jobs. A plain job of 30 steps times 0.6 s, in which one stall of the
+# host moves its step by a fifth (seen: 19 to 29 ms between runs minutes apart): 120.
+REGIMES = {"plain": ([], 0.1, 3, 1, 120),
            "emulated": (["model.name=resnet18", "data.image_size=32", "train.eval_every=0",
                          f"train.emulate_compute_s={EMULATED_T}"],
-                        2 * EMULATED_T, 1, 3)}
+                        2 * EMULATED_T, 1, 3, 30)}
 GRID = ["cluster.nodes=2,3",
         "strategy.name+cluster.num_ps+cluster.ps_placement=allreduce:0:alongside,sync:1:alongside,"
         "sync:2:dedicated,mixed-async:1:alongside,mixed-async:2:alongside,async:1:alongside"]
@@ -79,7 +81,7 @@ def grids_of(items: list[str]) -> list[str]:
 
 
 def regime(name: str, out: Path, steps: int, rescore: bool = False) -> dict:
-    extra, slow_s, windows, rounds = REGIMES[name]
+    extra, slow_s, windows, rounds, calibration_steps = REGIMES[name]
     sets = sets_of(COMMON + extra)
     bench = ["--warmup", "5", "--steps", str(steps)]
     profiles, dirs = [], []
@@ -94,7 +96,8 @@ def regime(name: str, out: Path, steps: int, rescore: bool = False) -> dict:
                 profiles[-1] = win / "local-rescored.toml"
                 profiles[-1].write_text(dump_profile(*again))
                 continue
-            rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--runs", str(rounds), "--out", str(profiles[-1])])
+            rc = cli(["calibrate", "--recipe", RECIPE, *sets, "--runs", str(rounds), "--steps", str(calibration_steps),
+                      "--out", str(profiles[-1])])
             rc = rc or cli(["bench", "--recipe", RECIPE, *sets, *grids_of(GRID), *bench, "--out", str(dirs[-2])])
             rc = rc or cli(["bench", "--recipe", RECIPE, *sets, "--set", f"strategy.slow_delay_s={slow_s}",
                             *grids_of(SLOWED), *bench, "--out", str(dirs[-1])])

@@ -190,3 +190,12 @@ def test_async_allreduce_replicas_do_not_wait_for_slow_communication(tmp_path):
     html = (tmp_path / "report" / "report.html").read_text()
     assert "Gradients averaged by each update" in html and "Staleness of applied gradients" in html
     assert (tmp_path / "report" / "gradients-per-update.png").stat().st_size > 0
+
+
+def test_compiled_allreduce_trains_as_eager(tmp_path):
+    """train.compile: torch.compile around the module backward runs through (DDP under allreduce)."""
+    sets = [*EXACT, "data.batch_size=8", *cluster(1, 2)]
+    s, eager = run(tmp_path, "eager", *sets)
+    s_c, compiled = run(tmp_path, "compiled", *sets, "train.compile=true")
+    assert s_c["steps"] == s["steps"] == 5
+    assert max_diff(eager, compiled) <= 1e-4  # the same training, up to the order of float sums

@@ -372,3 +372,28 @@ def test_study_target_without_evaluations_fails_before_any_run(tmp_path, capsys)
     assert main(["study", "--recipe", DIGITS, "--set", "train.eval_every=0", "--until", "accuracy=0.9",
                  "--out", str(out)]) == 2
     assert "set train.eval_every > 0" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_stop_signal_stops_the_sweep_not_only_its_cell(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "bench"
+    p = subprocess.Popen([sys.executable, "-m", "scaletrain", "bench", "--recipe", DIGITS, "--set", "data.workers=0",
+                          "--set", "train.eval_every=0", "--grid", "cluster.nodes=1,2", "--warmup", "2",
+                          "--steps", "100000", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    first = None
+    deadline = time.time() + 120
+    while first is None and time.time() < deadline:  # the first cell has trained a few steps
+        assert p.poll() is None, p.communicate()
+        first = next((m for m in out.glob("cells/*/metrics.jsonl") if m.read_text().count('"train"') >= 2), None)
+        time.sleep(0.2)
+    assert first is not None, "the first cell did not train"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 75, err
+    assert "sweep stopped" in err and first.parent.name in err and "stopped at step" in err, err
+    assert [d.name for d in (out / "cells").iterdir()] == [first.parent.name]  # no cell after it started

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .errors import ConfigError, GridError
+from .errors import ConfigError, GridError, Stopped
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
@@ -86,6 +86,8 @@ def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, 
     summary = None
     try:
         summary = run_training(load_config(recipe, sets), run_dir, progress=False)
+    except Stopped as e:  # a stop signal stops the sweep, not only its cell
+        raise Stopped(f"cell {run_dir}: {e}", e.status) from None
     except Exception as e:  # noqa: BLE001 - one cell's failure is its row, the others still run
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     row.update(run_dir=f"cells/{name}", wall_seconds=time.perf_counter() - t0)
@@ -190,6 +192,12 @@ def _config(run_dir: Path) -> dict[str, Any]:
     return load_config(run_dir / "config.toml").flat()
 
 
+def stopped(e: Stopped, rows: Path) -> int:
+    """A sweep stopped by a signal: one line, and its exit status (75, or 130 for Ctrl-C)."""
+    print(f"scaletrain: sweep stopped; {e}; the finished cells' rows are in {rows}", file=sys.stderr)
+    return e.status
+
+
 def main(args) -> int:
     try:
         grid = parse_grid(args.grid)
@@ -200,7 +208,10 @@ def main(args) -> int:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    rows = run(args.recipe, args.overrides, grid, args.warmup, args.steps, out, args.pair_synthetic,
-               repeats=args.repeats)
+    try:
+        rows = run(args.recipe, args.overrides, grid, args.warmup, args.steps, out, args.pair_synthetic,
+                   repeats=args.repeats)
+    except Stopped as e:
+        return stopped(e, out / "bench.jsonl")
     print(f"bench: {sum(not r.get('error') for r in rows)}/{len(rows)} cells measured; rows in {out / 'bench.jsonl'}")
     return 1 if any(r.get("error") for r in rows) else 0

@@ -129,6 +129,8 @@ class TrainConfig:
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))
     channels_last: bool = opt(False, "use the channels_last memory format on CUDA")
+    compile: bool = opt(False, "compile forward and backward with torch.compile (a one-off cost of seconds to "
+                        "minutes at the first steps, which bench's warm-up steps should cover)")
     threads: int = opt(0, "CPU threads for torch in this process (0 = torch's default)", lo=0, hi=1024)
     emulate_compute_s: float = opt(0.0, "emulated GPU: each replica's forward and backward become a sleep of this "
                                    "many seconds and a fixed gradient (from seed); no data is read, a step counts "

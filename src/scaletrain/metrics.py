@@ -51,6 +51,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceTimer:
+    """Seconds of a replica's compute, summed over steps, with no host-device sync per step: on a
+    GPU a pair of CUDA events around each step's work, read when `seconds` is asked (a log point,
+    which syncs anyway); on a CPU the host clock, the work being done when its call returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.total, self.t0 = device.type == "cuda", 0.0, 0.0
+        self.pending: list = []  # (start, end) events not yet read
+
+    def start(self) -> None:
+        if self.cuda:
+            self.pending.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.pending[-1][0].record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.pending[-1][1].record()
+        else:
+            self.total += time.perf_counter() - self.t0
+
+    def seconds(self) -> float:
+        for a, b in self.pending:
+            b.synchronize()  # host-device sync, up to the last step's work
+            self.total += a.elapsed_time(b) / 1e3
+        self.pending.clear()
+        return self.total
+
+
 class JobClock:
     """The job's training time and throughput, on one clock: the chief's.
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import bench, figures
 from .config import load_config
-from .errors import ConfigError, UntilError
+from .errors import ConfigError, Stopped, UntilError
 
 
 def parse_until(text: str | None) -> tuple[str, float] | None:
@@ -133,7 +133,10 @@ def main(args) -> int:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/study-{time.strftime('%Y%m%d-%H%M%S')}")
-    rows = run(args.recipe, args.overrides, grid, until, out)
+    try:
+        rows = run(args.recipe, args.overrides, grid, until, out)
+    except Stopped as e:
+        return bench.stopped(e, out / "study.jsonl")
     print(f"study: {sum(not r.get('error') for r in rows)}/{len(rows)} configurations trained; rows in "
           f"{out / 'study.jsonl'}")
     return 1 if any(r.get("error") for r in rows) else 0

@@ -32,7 +32,7 @@ from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
 from .errors import RunError
-from .metrics import JobClock, Progress, Recorder, sync
+from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, lr_at
 from .strategies import build_strategy, images_per_update
@@ -137,7 +137,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     else:
         loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
                                  rank=ctx.me.index, pin=device.type == "cuda")
-        work = Backprop(cfg, strategy.wrap(), opt, loader, run.usable, device)
+        forward = strategy.wrap()
+        work = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, loader, run.usable,
+                        device)
     update_images = images_per_update(cfg)
     slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
     model.train()
@@ -152,13 +154,11 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
                                     "a distributed step needs at least one; see the warnings above")
                 continue
             lr = lr_at(cfg.optim, sched.step_of(tick.images), sched.steps, update_images)
-            t1 = time.perf_counter()
+            run.compute.start()
             loss, images = work(batch)  # forward and backward: .grad holds this replica's gradient
             if slow:
                 time.sleep(slow)  # testing only: an emulated straggler
-            if ctx.distributed:
-                sync(device)  # host-device sync, so compute time is not charged to communication
-            run.compute_s += time.perf_counter() - t1
+            run.compute.stop()
             before, tick = tick, strategy.step(lr)
             run.after_step(before, tick, loss, images, lr)
             if tick.hold:
@@ -202,7 +202,7 @@ class Run:
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=self.device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
-        self.computed, self.compute_s, self.last_loss = 0, 0.0, float("nan")
+        self.computed, self.compute, self.last_loss = 0, DeviceTimer(self.device), float("nan")
         self.stopped = 0  # the signal that stopped the job before its end (dist.stopped), 0 while it runs
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
         self.slow_input = 0  # log windows in a row the chief waited for data over 10% (None: warned)
@@ -229,6 +229,7 @@ class Run:
         self.losses[:, 1] += 1
         if tick.hold or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
             sync(self.device)  # host-device sync: the clock must see the queued work
+            self.compute.seconds()  # reads the steps' events while they are few
             window = self.clock.tick(tick.images, close=True)
             rate = window[0] / window[1] if window else None
             s, n_ = self.losses[0].tolist()  # host-device sync, at log points only
@@ -380,8 +381,8 @@ class Run:
         """Gather every process's figures; the chief writes model.safetensors and summary.json."""
         c = self.strategy.counters
         mine = dict(node=self.ctx.me.node, computed=self.computed, own_s=self.clock.t, bytes_sent=c.bytes_sent,
-                    bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps, compute_s=self.compute_s,
-                    intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
+                    bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps,
+                    compute_s=self.compute.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
                     **self.strategy.figures())
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if self.chief:  # declared after the last step

@@ -40,6 +40,7 @@ class PSClient(Strategy):
         self.layout = make_layout([p.numel() for p in self.params], cfg.cluster.num_ps, cfg.cluster.sharding)
         self.servers = [p.rank for p in ctx.plan.ps]
         self.versions = [0] * len(self.servers)
+        self.on_gpu = self.params[0].device.type == "cuda"  # messages go through host buffers (gloo)
         self._told: list = []  # LOST sends in flight (a shard that has stopped serving never takes them)
         if ctx.is_chief:
             ctx.on_drop = self._announce
@@ -54,6 +55,9 @@ class PSClient(Strategy):
                     pass
 
     def step(self, lr: float) -> Tick:
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()  # host-device sync: the gradient is whole before the
+            # averaging's and the push's clocks start (the push needs it on the host anyway)
         grads = self.grads()
         if self.group is not None:
             average_(grads, self.group, self.group_size, self.counters, "intra_s", self._flat("grads"))
@@ -61,7 +65,7 @@ class PSClient(Strategy):
         info = torch.zeros(2, dtype=torch.int64, device=self.params[0].device)
         if self.pusher:
             with self.counters.timed("comm_s"):
-                info[0], info[1] = self._push_pull([g.detach().cpu() for g in grads])
+                info[0], info[1] = self._push_pull(grads)
         if self.group is not None:
             flat = torch.cat([p.data.reshape(-1) for p in self.params], out=self._flat("values"))
             with self.counters.timed("intra_s"):
@@ -81,12 +85,13 @@ class PSClient(Strategy):
 
     def _exchange(self, msgs: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Send (shard, header, payload) messages and receive each shard's reply into the
-        parameters; returns the reply headers."""
+        parameters; returns the reply headers. Payloads and replies are host tensors (gloo)."""
         replies, works = [], []
         for k, hdr_out, payload in msgs:
             server = self.servers[k]
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
-            vals = self.buffer(f"reply {k}", self.layout.numel(k), self.wire or torch.float32, torch.device("cpu"))
+            vals = self.buffer(f"reply {k}", self.layout.numel(k), self.wire or torch.float32, torch.device("cpu"),
+                               pin=self.on_gpu)
             # Post the receives first: the server answers as soon as it has applied.
             works += [dist.irecv(hdr, src=server, tag=P.TAG_REPLY_HDR),
                       dist.irecv(vals, src=server, tag=P.TAG_REPLY_VALS)]
@@ -98,16 +103,13 @@ class PSClient(Strategy):
                 self.counters.bytes_sent += payload.numel() * payload.element_size()
         for w in works:
             sdist.wait(w)  # point-to-point; returns when the shard has answered (liveness is the heartbeats')
-        device = self.params[0].device
-        cpu_params = [p.detach().cpu() for p in self.params] if device.type != "cpu" else self.params
         for k, hdr, vals in replies:
             self.versions[k] = int(hdr[0])
             self.counters.bytes_recv += P.HEADER * 8 + vals.numel() * vals.element_size()
-            scatter_(cpu_params, self.layout.shards[k], vals)
-        if device.type != "cpu":
-            with torch.no_grad():
-                for p, c in zip(self.params, cpu_params):
-                    p.copy_(c, non_blocking=True)
+            if self.on_gpu:  # one host-to-device copy a shard, queued; the scatter follows it on the device
+                vals = self.buffer(f"reply {k} on device", vals.numel(), vals.dtype, self.params[0].device) \
+                    .copy_(vals, non_blocking=True)
+            scatter_(self.params, self.layout.shards[k], vals)
         return [hdr for _, hdr, _ in replies]
 
     def _push_pull(self, grads: list[torch.Tensor]) -> tuple[int, int]:
@@ -115,7 +117,10 @@ class PSClient(Strategy):
         agreed point and another answered before reaching it, PULL that one's point values,
         so this node leaves the point with every shard's values of it."""
         asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards hold at the next update
-        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), self._payload(grads, k))
+        payloads = [self._payload(grads, k) for k in range(len(self.servers))]
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()  # host-device sync: the payloads' copies, once a step
+        hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), payloads[k])
                                for k in range(len(self.servers))])
         behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
         if len(behind) < len(hdrs):
@@ -124,10 +129,14 @@ class PSClient(Strategy):
         return int(hdrs[0][2]), int(hdrs[0][1])
 
     def _payload(self, grads: list[torch.Tensor], k: int) -> torch.Tensor:
-        """Shard k's slice of the gradient, gathered straight into the wire's type (strategy.compression)."""
-        g = grads[0]
-        return gather(grads, self.layout.shards[k], self.buffer(f"push {k}", self.layout.numel(k),
-                                                                self.wire or g.dtype, g.device))
+        """Shard k's slice of the gradient, gathered on the replica's device straight into the wire's
+        type (strategy.compression); from a GPU, then one copy into pinned host memory, queued."""
+        g, n = grads[0], self.layout.numel(k)
+        flat = gather(grads, self.layout.shards[k], self.buffer(f"push {k}", n, self.wire or g.dtype, g.device))
+        if not self.on_gpu:
+            return flat
+        host = self.buffer(f"push {k} on host", n, flat.dtype, torch.device("cpu"), pin=True)
+        return host.copy_(flat, non_blocking=True)
 
     def snapshot(self) -> dict:
         """Every shard's version, values, images and optimizer state. Asked at an
