@@ -395,5 +395,5 @@ def test_a_stop_signal_stops_the_sweep_not_only_its_cell(tmp_path):
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 75, err
-    assert "sweep stopped" in err and first.parent.name in err and "stopped at step" in err, err
+    assert "sweep stopped" in err and first.parent.name in err and "stopped by SIGTERM at step" in err, err
     assert [d.name for d in (out / "cells").iterdir()] == [first.parent.name]  # no cell after it started
