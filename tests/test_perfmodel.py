@@ -445,6 +445,11 @@ def test_derive_charges_a_loaded_jobs_communication_to_its_bytes():
     assert f > 1 and p.net_latency == pytest.approx(5e-5) and p.net_bandwidth == pytest.approx(2e9 / f, rel=1e-3)
     ps = predict(cfg_of("sync", nodes=2, gpus=1, ps=1), p)
     assert ps["step_s"] == pytest.approx(0.05, rel=1e-3)  # the factor makes the model's PS job the measured one
+    # A PS job faster than the microbenchmark's bytes allow: the factor goes below 1, to fit it.
+    fast = predict(cfg_of("sync", nodes=2, gpus=1, ps=1), replace(p, net_bandwidth=2e9 / 0.5, local_bandwidth=2e9 / 0.5))
+    p, about = derive(cfg, {**m, "ps_job": {"step_s": fast["step_s"]}}, host, say=lambda *_: None)
+    assert about["transfer_load"] < 0.6
+    assert predict(cfg_of("sync", nodes=2, gpus=1, ps=1), p)["step_s"] == pytest.approx(fast["step_s"], rel=1e-3)
 
 
 def test_calibrate_batch_line():

@@ -108,7 +108,8 @@ class AllReduce(Strategy):
         self.counters.steps += 1
         tick = self.advance(self.schedule.step_images, asked)
         if self.group is not None and not tick.stop:
-            self.flag.fill_(float(bool(self.ctx.requests)))
+            # Not at an agreed point: it acts on the agreed requests; one left after it goes next step.
+            self.flag.fill_(float(bool(self.ctx.requests) and not tick.hold))
             self.asking = dist.all_reduce(self.flag, group=self.ctx.workers_cpu_group, async_op=True)  # collective
         return tick
 
