@@ -1,5 +1,7 @@
 import json
+import os
 import subprocess
+import sys
 
 from safetensors.torch import load_file
 
@@ -51,3 +53,40 @@ def test_cli_train_plain_progress_when_not_a_terminal(tmp_path, env):
     assert p.returncode == 0, p.stderr
     assert "step 20/20" in p.stdout and "test accuracy" in p.stdout
     assert "\x1b[" not in p.stdout  # no terminal control codes in a log file
+
+
+FAULTS = r'''
+import resource, sys, torch
+from scaletrain.compute import keep_freed_memory
+from scaletrain.config import ModelConfig
+from scaletrain.models import build_model
+torch.set_num_threads(1)
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+m = build_model(ModelConfig(name="resnet20", num_classes=10))
+x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+def step():
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+'''
+
+
+def test_freed_memory_is_kept_for_the_next_step(tmp_path):
+    """Page faults per training step of a real model, with the allocator as a worker sets it
+    and as glibc leaves it; a user's own MALLOC_*_THRESHOLD_ setting is left alone."""
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS)
+
+    def faults(mode: str, **env) -> tuple[str, float]:
+        out = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env}).stdout.split()
+        return out[0], float(out[1])
+
+    kept, few = faults("keep")
+    _, many = faults("default")
+    assert kept == "True" and many > 1000 and few < many / 10, (few, many)
+    assert faults("keep", MALLOC_TRIM_THRESHOLD_="131072")[0] == "False"

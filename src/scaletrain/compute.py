@@ -12,6 +12,8 @@ the same way: fetch() then the object itself.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 from contextlib import nullcontext
 
@@ -21,6 +23,29 @@ from .optim import decayed, loss_fn
 
 # Small enough that SGD and RMSProp stay finite over millions of steps of the same gradient.
 EMULATED_SCALE = 1e-3
+# glibc's mallopt parameters, and what keep_freed_memory sets them to: allocations below 32 MB come
+# from the heap, and the heap keeps up to 1 GB free at its top instead of giving it back.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_ALLOC_BYTES, HEAP_KEEP_BYTES = 32 << 20, 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Keep the host memory a step frees for the next step instead of giving it back to the kernel.
+
+    Every step allocates and frees the same activations and batches. By default glibc serves the
+    larger ones with mmap and trims the heap's free top, so the next step faults in fresh zeroed
+    pages, one per 4 KB. Measured with 4 CPU replicas of resnet20 on 2 cores: 17,000 page faults
+    a second in each process and 11% of the cores' time in the kernel; with this, 4% (the peak of a
+    step stays mapped, which the next step needs anyway). Left alone where the user set glibc's
+    MALLOC_*_THRESHOLD_ variables; a preloaded allocator (jemalloc, tcmalloc) does not read these
+    settings. Returns whether they were set."""
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_ALLOC_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
 class Backprop:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, schedule, stats
-from .compute import Backprop, Emulated
+from .compute import Backprop, Emulated, keep_freed_memory
 from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
@@ -52,6 +52,7 @@ def pick_device(cfg: Config) -> torch.device:
 
 
 def setup_process(cfg: Config) -> None:
+    keep_freed_memory()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
