@@ -32,6 +32,21 @@ NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in \
 HOOKS = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}
 
 
+def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None) -> DistributedDataParallel:
+    """`model` under DistributedDataParallel over `group`: backward returns with the gradients averaged
+    over it, their buckets all-reduced while it still runs (in `wire`'s type when given)."""
+    dev = next(model.parameters()).device
+    # init_sync off: every replica already holds the same values (one seed, or one checkpoint), and
+    # a broadcast from the first would overwrite each replica's own BatchNorm statistics on resume.
+    # No broadcast before each forward either, for the same statistics (replicas.py evaluates and
+    # saves them); torch 2.13 renamed that switch.
+    ddp = DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None, process_group=group,
+                                  init_sync=False, gradient_as_bucket_view=True, **{NO_BUFFER_SYNC: False})
+    if wire is not None:
+        ddp.register_comm_hook(group, HOOKS[wire])
+    return ddp
+
+
 def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what: str = "comm_s",
              out: torch.Tensor | None = None, wire: torch.Tensor | None = None) -> None:
     """All-reduce the tensors (gradients, or BatchNorm statistics) of `group` into their mean, in place.
@@ -80,16 +95,7 @@ class AllReduce(Strategy):
         if self.group is None:
             return self.model
         if self.ddp is None:
-            dev = self.params[0].device
-            # init_sync off: every replica already holds the same values (one seed, or one checkpoint), and
-            # a broadcast from replica 0 would overwrite each replica's own BatchNorm statistics on resume.
-            # No broadcast before each forward either, for the same statistics (replicas.py evaluates and
-            # saves them); torch 2.13 renamed that switch.
-            self.ddp = DistributedDataParallel(
-                self.model, device_ids=[dev] if dev.type == "cuda" else None, process_group=self.group,
-                init_sync=False, gradient_as_bucket_view=True, **{NO_BUFFER_SYNC: False})
-            if self.wire is not None:
-                self.ddp.register_comm_hook(self.group, HOOKS[self.wire])
+            self.ddp = data_parallel(self.model, self.group, self.wire)
         return self.ddp
 
     def step(self, lr: float) -> Tick:

@@ -25,7 +25,7 @@ from ..checkpoint import CheckpointError
 from ..optim import state_keys
 from ..ps import protocol as P
 from ..ps.sharding import gather, make_layout, scatter_
-from .allreduce import average_
+from .allreduce import average_, count_ring, data_parallel
 from .base import Strategy, Tick
 
 
@@ -41,6 +41,7 @@ class PSClient(Strategy):
         self.servers = [p.rank for p in ctx.plan.ps]
         self.versions = [0] * len(self.servers)
         self.on_gpu = self.params[0].device.type == "cuda"  # messages go through host buffers (gloo)
+        self.ddp = None
         self._told: list = []  # LOST sends in flight (a shard that has stopped serving never takes them)
         if ctx.is_chief:
             ctx.on_drop = self._announce
@@ -54,12 +55,21 @@ class PSClient(Strategy):
                 except RuntimeError:  # that shard is gone: the heartbeats end the job
                     pass
 
+    def wrap(self) -> torch.nn.Module:
+        """Where a node's replicas average before pushing: DistributedDataParallel over the node, so the
+        averaging runs while backward does (the node's GPUs: NCCL); the push follows it."""
+        if self.group is not None and self.ddp is None:
+            self.ddp = data_parallel(self.model, self.group)
+        return self.ddp or self.model
+
     def step(self, lr: float) -> Tick:
         if self.on_gpu:
             torch.cuda.current_stream().synchronize()  # host-device sync: the gradient is whole before the
             # averaging's and the push's clocks start (the push needs it on the host anyway)
         grads = self.grads()
-        if self.group is not None:
+        if self.ddp is not None:  # averaged in backward
+            count_ring(self.counters, self.group_size, self.numel * grads[0].element_size(), "intra_s")
+        elif self.group is not None:  # no backward ran through DDP (train.emulate_compute_s): average here
             average_(grads, self.group, self.group_size, self.counters, "intra_s", self._flat("grads"))
         # [images, flags]: the job's progress as the shards reported it to this node's pusher
         info = torch.zeros(2, dtype=torch.int64, device=self.params[0].device)
