@@ -174,11 +174,21 @@ def send(t, dst: int, tag: int) -> None:
     wait(dist.isend(t, dst=dst, tag=tag))
 
 
+def irecv(t, src: int | None = None, tag: int = 0):
+    """A receive into `t` (from any rank when src is None), posted now: gloo's threads fill `t` from
+    when the sender sends; `wait` for it, `source` names the sender."""
+    return dist.irecv(t, src=src, tag=tag)
+
+
+def source(work) -> int:
+    return work._source_rank()
+
+
 def recv(t, src: int | None = None, tag: int = 0) -> int:
     """Receive into `t` (from any rank when src is None); returns the sender's rank."""
-    work = dist.irecv(t, src=src, tag=tag)
+    work = irecv(t, src, tag)
     wait(work)
-    return work._source_rank() if src is None else src
+    return source(work) if src is None else src
 
 
 def _no_rendezvous(seat, timeout: datetime.timedelta, err: BaseException) -> PeerLost:

@@ -79,10 +79,18 @@ class Shard:
         self.pending: list[int] = []  # sync: senders whose gradient is in `acc`
         self.acc = torch.zeros_like(self.values)
         wire = P.WIRE[cfg.strategy.compression]
-        # In the wire's type (strategy.compression): a push's gradient as it comes in (then added and
-        # applied in fp32), and a reply's values as they go out; one thread does both in turn.
+        # A reply's values in the wire's type (strategy.compression), and a pushed gradient in fp32
+        # (added and applied in it) when it comes in another type.
         self.wire = torch.empty(self.values.shape, dtype=wire) if wire else None
-        self.grad = torch.empty_like(self.values)
+        self.grad = torch.empty_like(self.values) if wire else None
+        # Pushes come into these (in the wire's type): two, so that the next push's gradient is received
+        # (by gloo's threads) while this one is applied. Memory: two gradients of the shard's size.
+        self.inbox = wire or self.values.dtype
+        self.spare = [torch.empty(self.values.shape, dtype=self.inbox) for _ in range(2)]
+        self.ahead = None  # the next message's header, asked for before it is needed (a Work)
+        self.ahead_body = None  # the body of that message, when it is a push: (buffer, Work)
+        self.hdr = torch.zeros(P.HEADER, dtype=torch.int64)
+        self.abandoned: list = []  # receives posted for a pusher lost since: never reused or freed
         self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
         self.waiting: list[tuple[int, int, int]] = []  # pushes (src, version, requests) held to the hold's end
         self.asked = 0  # requests pushers hold: the next update is an agreed point
@@ -101,25 +109,26 @@ class Shard:
         return self.images >= self.schedule.target or self.over
 
     def serve(self) -> None:
-        hdr = torch.zeros(P.HEADER, dtype=torch.int64)
         failures = 0
         while self.active:
+            work, early = self.ahead or self._ask_header(), self.ahead_body
+            self.ahead = self.ahead_body = None
             try:
-                src = dist.recv(hdr, tag=P.TAG_HDR)  # point-to-point from any pusher; blocks, untimed
+                dist.wait(work)  # point-to-point from any pusher; blocks, untimed
             except RuntimeError as e:  # a pusher died while its message was on its way
                 failures += 1
                 if failures > 3 or not self._gone(None, e):
                     raise
                 continue
             failures = 0
-            version, command = int(hdr[0]), int(hdr[1])
+            src, (version, command, flag) = dist.source(work), self.hdr.tolist()
             self.bytes_recv += P.HEADER * 8
             if command == P.LOST:
                 self._drop(version)
             elif src in self.lost:  # a lost pusher that was only frozen: never answered (it exits)
-                pass
+                self._abandon(early)
             elif command == P.STOP:
-                self.stopped = self.stopped or int(hdr[2])
+                self.stopped = self.stopped or flag
                 self.over |= src == self.chief
                 self.active.discard(src)
                 self._maybe_apply()
@@ -132,18 +141,51 @@ class Shard:
                 else:
                     self.pulls.append(src)
             elif self.holding and src in self.answered:  # computed on the point's values: after the hold
-                self.waiting.append((src, version, int(hdr[2])))
+                self.waiting.append((src, version, flag, early))
                 self._release()
             else:
-                self._receive(src, version, int(hdr[2]))
+                self._receive(src, version, flag, early)
 
-    def _receive(self, src: int, version: int, requests: int) -> None:
-        wire = self.grad if self.wire is None else self.wire
-        if self._talk(src, lambda: dist.recv(wire, src=src, tag=P.TAG_VALS)):
-            self.bytes_recv += wire.numel() * wire.element_size()
+    def _ask_header(self):
+        return dist.irecv(self.hdr, tag=P.TAG_HDR)  # from any pusher
+
+    def _receive(self, src: int, version: int, requests: int, early=None) -> None:
+        """The gradient of a push from `src` (`early`: already asked for, see _look_ahead), then its update."""
+        buf, work = early or self._ask_body(src)
+        try:
+            self._look_ahead()
+            if not self._talk(src, lambda: dist.wait(work)):
+                return
+            self.bytes_recv += buf.numel() * buf.element_size()
             if not (self.holding or self.done):
                 self.asked |= requests
-            self._push(src, version, self.grad if wire is self.grad else self.grad.copy_(wire))
+            self._look_ahead()  # again: the next may have come meanwhile
+            self._push(src, version, buf if self.grad is None else self.grad.copy_(buf))
+        finally:
+            if len(self.spare) < 2:  # more were made only while a hold's pushes were taken
+                self.spare.append(buf)
+
+    def _ask_body(self, src: int):
+        buf = self.spare.pop() if self.spare else torch.empty(self.values.shape, dtype=self.inbox)
+        return buf, dist.irecv(buf, src=src, tag=P.TAG_VALS)  # gloo's threads receive it from now on
+
+    def _look_ahead(self) -> None:
+        """Ask for the next message now; when it is already here and is a push, ask for its gradient too,
+        so that gloo receives it while this process applies the current one. The loop then takes that
+        message as it would have received it."""
+        if self.ahead is None:
+            self.ahead = self._ask_header()
+        if self.ahead_body is not None or not self.spare or not self.ahead.is_completed() or \
+                not self.ahead.is_success():
+            return
+        src, command = dist.source(self.ahead), int(self.hdr[1])
+        if command == P.PUSH and src in self.active and not (self.holding and src in self.answered):
+            self.ahead_body = self._ask_body(src)
+
+    def _abandon(self, early) -> None:
+        """A push's gradient asked for from a pusher lost since: its buffer is never reused."""
+        if early is not None:
+            self.abandoned.append(early)
 
     def _drop(self, rank: int) -> None:
         """A pusher lost for good: go on without it."""
@@ -153,6 +195,9 @@ class Shard:
         self.lost.add(rank)
         self.active.discard(rank)
         self.pulls = [r for r in self.pulls if r != rank]
+        for w in self.waiting:
+            if w[0] == rank:
+                self._abandon(w[3])
         self.waiting = [w for w in self.waiting if w[0] != rank]
         self._maybe_apply()
         self._release()
@@ -273,9 +318,11 @@ class Shard:
             return
         self.holding = False
         waiting, self.waiting = self.waiting, []
-        for src, version, requests in waiting:
+        for src, version, requests, early in waiting:
             if src in self.active:
-                self._receive(src, version, requests)
+                self._receive(src, version, requests, early)
+            else:
+                self._abandon(early)
 
     def state(self) -> list[torch.Tensor]:
         """The values, then the optimizer state tensors (none before the first update)."""
