@@ -9,7 +9,12 @@ hit both; per R the figure is the ratio of the medians of the job's images/s
 (all replicas' images over the measured steps' wall time). Prints one JSON
 object.
 
+scaletrain's workers keep the host memory a step frees (compute.keep_freed_memory);
+a bare loop as users write it does not. --bare-keeps-memory gives the bare
+loop the same allocator settings, to see how much of the ratio is that.
+
     python benchmarks/ddp_parity.py [--replicas 2 4] [--model resnet20 --image-size 32 --batch 32 --steps 40]
+                                    [--bare-keeps-memory]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scaletrain.compute import keep_freed_memory
 from scaletrain.config import build_config
 from scaletrain.data import Prepare, build_datasets
 from scaletrain.data.loader import collate
@@ -35,9 +41,11 @@ from scaletrain.models import build_model
 from scaletrain.run import run_training
 
 
-def bare_replica(rank: int, world: int, port: int, cfg, steps: int, warmup: int, out) -> None:
+def bare_replica(rank: int, world: int, port: int, cfg, steps: int, warmup: int, out, keep: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if keep:
+        keep_freed_memory()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(build_model(cfg.model))
@@ -61,11 +69,11 @@ def bare_replica(rank: int, world: int, port: int, cfg, steps: int, warmup: int,
     dist.destroy_process_group()
 
 
-def bare(cfg, world: int, steps: int, warmup: int) -> float:
+def bare(cfg, world: int, steps: int, warmup: int, keep: bool = False) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(bare_replica, args=(world, free_port("127.0.0.1"), cfg, steps, warmup, out), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(bare_replica, args=(world, free_port("127.0.0.1"), cfg, steps, warmup, out, keep),
+                       nprocs=world, start_method="spawn")
     return out.get()
 
 
@@ -84,6 +92,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bare-keeps-memory", action="store_true",
+                    help="the bare loop keeps freed memory as scaletrain's workers do")
     a = ap.parse_args()
     rows = []
     for world in a.replicas:
@@ -97,12 +107,13 @@ def main() -> None:
         })
         b, s = [], []
         for _ in range(a.repeats):
-            b.append(bare(cfg, world, a.steps, a.warmup))
+            b.append(bare(cfg, world, a.steps, a.warmup, a.bare_keeps_memory))
             s.append(ours(cfg, world))
         rows.append({"replicas": world, "bare_ddp_images_per_sec": b, "scaletrain_images_per_sec": s,
                      "ratio": statistics.median(s) / statistics.median(b)})
     print(json.dumps({"benchmark": "ddp_parity", "model": a.model, "image_size": a.image_size,
                       "batch_per_replica": a.batch, "steps": a.steps, "repeats": a.repeats, "backend": "gloo",
+                      "bare_keeps_memory": a.bare_keeps_memory,
                       "rows": rows, "min_ratio": min(r["ratio"] for r in rows), **run_info(torch.device("cpu"))},
                      indent=2))
 
