@@ -153,13 +153,12 @@ class Shard:
         """The gradient of a push from `src` (`early`: already asked for, see _look_ahead), then its update."""
         buf, work = early or self._ask_body(src)
         try:
-            self._look_ahead()
             if not self._talk(src, lambda: dist.wait(work)):
                 return
             self.bytes_recv += buf.numel() * buf.element_size()
             if not (self.holding or self.done):
                 self.asked |= requests
-            self._look_ahead()  # again: the next may have come meanwhile
+            self._look_ahead()
             self._push(src, version, buf if self.grad is None else self.grad.copy_(buf))
         finally:
             if len(self.spare) < 2:  # more were made only while a hold's pushes were taken
@@ -170,9 +169,11 @@ class Shard:
         return buf, dist.irecv(buf, src=src, tag=P.TAG_VALS)  # gloo's threads receive it from now on
 
     def _look_ahead(self) -> None:
-        """Ask for the next message now; when it is already here and is a push, ask for its gradient too,
-        so that gloo receives it while this process applies the current one. The loop then takes that
-        message as it would have received it."""
+        """Once a gradient is in, before working on it: ask for the next message; when it is already here
+        and is a push, ask for its gradient too, so that gloo receives it while this process adds or
+        applies the current one. The loop then takes that message as it would have received it. Not
+        before the current gradient is in: two gradients arriving at once measured slower on a 2-core
+        host (4 shards: 0.16 s a cycle against 0.14)."""
         if self.ahead is None:
             self.ahead = self._ask_header()
         if self.ahead_body is not None or not self.spare or not self.ahead.is_completed() or \
