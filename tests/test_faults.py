@@ -119,6 +119,27 @@ def test_a_stop_signal_to_one_worker_stops_every_process_at_one_step(tmp_path, e
         assert f"stopped by SIGUSR1 at step {step}" in (run_dir / "logs" / f"rank{r}.log").read_text()
 
 
+def test_stop_signals_repeated_to_the_end_kill_no_process_on_its_way_out(tmp_path, env):
+    """A stop signal can come more than once: one that arrives after a process's checkpoint, during its
+    last barrier, must not kill it."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "train.steps=100000")
+    procs = wait_training(p, run_dir, 2)
+    while p.poll() is None:
+        for pid in procs.values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 75, err
+    no_orphans(procs)
+    step = int(sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1].stem[5:])
+    assert f"stopped at step {step}" in err and "SIGUSR1" in err, err  # the chief's own words
+    assert f"stopped by SIGUSR1 at step {step}" in (run_dir / "logs" / "rank1.log").read_text()
+
+
 def test_a_killed_launcher_takes_its_processes_with_it(tmp_path, env):
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=sync", "cluster.num_ps=1", "train.steps=100000")

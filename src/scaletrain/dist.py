@@ -296,6 +296,18 @@ def abort(ctx: Context, culprits: list[int] | None = None) -> None:
             pass
 
 
+def catch_stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool) -> dict:
+    """From now on the signals named ask ctx for a checkpoint and a stop (see stop_signals); returns the
+    handlers they had."""
+    def on_signal(signum, frame):
+        if escalate and signum == signal.SIGINT and ctx.requests & STOP:
+            raise KeyboardInterrupt
+        ctx.stop_signal = ctx.stop_signal or signum
+        ctx.requests |= STOP | CHECKPOINT
+
+    return {s: signal.signal(s, on_signal) for s in (getattr(signal, n) for n in names)}
+
+
 @contextmanager
 def stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool):
     """While inside: the signals named (cluster.stopping: the job's stop signals and Ctrl-C) ask this process for a checkpoint and a
@@ -305,13 +317,7 @@ def stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool):
         yield
         return
 
-    def on_signal(signum, frame):
-        if escalate and signum == signal.SIGINT and ctx.requests & STOP:
-            raise KeyboardInterrupt
-        ctx.stop_signal = ctx.stop_signal or signum
-        ctx.requests |= STOP | CHECKPOINT
-
-    before = {s: signal.signal(s, on_signal) for s in (getattr(signal, n) for n in names)}
+    before = catch_stop_signals(ctx, names, escalate)
     try:
         yield
     finally:

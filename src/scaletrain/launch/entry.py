@@ -46,10 +46,13 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
+    # Kept to the process's exit: a stop signal can come more than once (under Slurm a worker got the
+    # warning signal again in its last barrier, after the checkpoint, and died of it), and none kills it.
+    # The workers decide when to stop; a PS shard's request reaches them through its replies.
+    sdist.catch_stop_signals(ctx, cfg.cluster.stopping, escalate=False)
     try:
         if ctx.me.role == "ps":
-            with sdist.stop_signals(ctx, cfg.cluster.stopping, escalate=False):  # the workers decide
-                figures = run_shard(cfg, ctx, run_dir, resume)
+            figures = run_shard(cfg, ctx, run_dir, resume)
             stopped, step = figures.pop("stopped"), figures.pop("step")
             stats.gather(ctx, figures)
             if stopped:
