@@ -159,6 +159,8 @@ class ClusterConfig:
     master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
     master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
                            lo=0, hi=65535)
+    ifname: str = opt("", "network interface for gloo's and NCCL's sockets, e.g. ib0 ('' = an InfiniBand ib* "
+                      "interface where there is one, loopback for a job on this machine, else the host name's)")
 
     @property
     def stopping(self) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .errors import EXIT_STOPPED, Stopped
+from .launch import fabric
 from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
                        heartbeat, linger, write_note)
 from .plan import Plan, Proc, make_plan
@@ -121,8 +122,7 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     c = cfg.cluster
     timeout = datetime.timedelta(seconds=c.timeout_s)  # the rendezvous: every process starts at once
     loopback = seat.launcher == "local" and _is_loopback(seat.addr)
-    if loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too
+    os.environ.update(fabric.socket_env(c.ifname, loopback))  # gloo's and NCCL's sockets (launch/fabric.py)
     try:
         if seat.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
             dist.init_process_group("gloo", init_method="env://", rank=seat.rank, world_size=seat.world,

@@ -42,7 +42,7 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
     record(run_dir, plan, seat)
     try:
         ctx = sdist.init(cfg, plan, seat)
-    except (sdist.PeerLost, sdist.PortInUse) as e:
+    except (sdist.PeerLost, sdist.PortInUse, LaunchError) as e:
         print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
