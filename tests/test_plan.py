@@ -12,7 +12,7 @@ def cluster(**kw) -> ClusterConfig:
 
 
 def test_study_example_two_nodes_one_ps_alongside():
-    plan = make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), ps_required=True, use_gpu=True)
+    plan = make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), ps_required=True, gpus=4)
     rows = [(p.rank, p.node, p.local_rank, p.role, p.index, p.replica, p.device) for p in plan.procs]
     assert rows == [
         (0, 0, 0, "worker", 0, 0, "cuda:0"),
@@ -48,7 +48,7 @@ def shapes():
 @pytest.mark.parametrize("n,g,p,placement", list(shapes()))
 def test_plan_invariants(n, g, p, placement):
     plan = make_plan(cluster(nodes=n, gpus_per_node=g, num_ps=p, ps_placement=placement),
-                     ps_required=True, use_gpu=True)
+                     ps_required=True, gpus=4)
     assert plan.world_size == n * g + p
     assert [q.rank for q in plan.procs] == list(range(plan.world_size))
     # Ranks contiguous per node, in node order; local ranks count from 0.
@@ -88,13 +88,13 @@ def test_one_node_one_ps_alongside_goes_to_node_zero():
 
 
 def test_cpu_plan_has_no_gpus():
-    plan = make_plan(cluster(nodes=2, gpus_per_node=2), ps_required=False, use_gpu=False)
+    plan = make_plan(cluster(nodes=2, gpus_per_node=2), ps_required=False)
     assert {q.device for q in plan.procs} == {"cpu"}
     assert plan.world_size == 4 and plan.ps == ()
 
 
 def test_format_table():
-    plan = make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), True, use_gpu=True)
+    plan = make_plan(cluster(nodes=2, gpus_per_node=4, num_ps=1), True, gpus=4)
     lines = format_table(plan, "10.0.0.1", 29500, hosts=["gpu7", "gpu9"]).splitlines()
     assert lines[0] == "2 nodes (2 with workers, 0 PS-only), 9 processes"
     assert lines[1:3] == ["node 1: worker 0 (GPUs 0-3)", "node 2: PS 0 (no GPU) and worker 1 (GPUs 0-3)"]

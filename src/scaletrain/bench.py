@@ -36,7 +36,8 @@ from .errors import ConfigError, GridError, Stopped
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
         "bytes_per_step", "staleness_mean", "staleness_p95", "staleness_max", "dropped_gradients",
-        "dropped_fraction", "gradients_per_update_mean", "emulated_workers", "emulated_compute_s", "git_commit", "host",
+        "dropped_fraction", "gradients_per_update_mean", "emulated_workers", "emulated_compute_s", "not_applied",
+        "git_commit", "host",
         "device", "torch_version",
         "python_version", "model", "parameters")
 

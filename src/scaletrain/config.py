@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from .device import refused
 from .errors import ConfigError
 
 
@@ -159,6 +160,8 @@ class ClusterConfig:
     master_addr: str = opt("127.0.0.1", "host name or IP address of rank 0 for the rendezvous")
     master_port: int = opt(0, "TCP port of the rendezvous on master_addr (0 = pick a free port, 0..65535)",
                            lo=0, hi=65535)
+    backend: str = opt("auto", "communication between GPU replicas: auto (NCCL; gloo on CPUs) | gloo (slower, "
+                       "but replicas of one host may share a GPU)", choices=("auto", "gloo"))
     ifname: str = opt("", "network interface for gloo's and NCCL's sockets, e.g. ib0 ('' = an InfiniBand ib* "
                       "interface where there is one, loopback for a job on this machine, else the host name's)")
 
@@ -326,6 +329,12 @@ def _check_relations(cfg: Config) -> None:
         names = ", ".join(n for n, e in REGISTRY.items() if not e.rounds)
         raise ConfigError(f"strategy.compression = {s.compression}: acts between the nodes of strategy.name = {names}; "
                           f"not {s.name!r}{' with strategy.emulate_workers' if s.emulate_workers else ''}")
+    if s.async_bound and not REGISTRY[s.name].rounds:
+        names = " or ".join(n for n, e in REGISTRY.items() if e.rounds)
+        raise ConfigError(f"strategy.async_bound = {s.async_bound}: bounds the rounds of strategy.name = {names}; "
+                          f"strategy.name = {s.name!r} has none (set it to 0)")
+    if refused(cfg):
+        raise ConfigError(refused(cfg)[0])
     if s.emulate_workers and cfg.distributed:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
                           "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")

@@ -15,7 +15,7 @@ process driving all GPUs of a node):
 
 Nodes are indices from 0 in data (`Proc.node`, JSON) and are called
 "node 1", "node 2", ... in text, as the study and most host names count them.
-A worker uses GPU `replica` of those its node makes visible to the job; a PS
+A worker's GPU comes from `gpu_map` (never one shared by two ranks of a host); a PS
 uses none.
 """
 
@@ -86,8 +86,10 @@ class Plan:
         return [p.rank for p in self.workers if p.replica == 0]
 
 
-def make_plan(cluster: ClusterConfig, ps_required: bool, use_gpu: bool = False) -> Plan:
-    """The placement for `cluster`; raises PlanError when it cannot be placed."""
+def make_plan(cluster: ClusterConfig, ps_required: bool, gpus: int = 0, one_host: bool = False) -> Plan:
+    """The placement for `cluster`; raises PlanError when it cannot be placed.
+    gpus: GPUs each host makes visible to the job (0: the workers run on CPUs); one_host: every
+    node of the plan runs on this one machine (the local launcher's emulated nodes)."""
     n, g, p = cluster.nodes, cluster.gpus_per_node, cluster.num_ps
     if n < 1 or g < 1:
         raise PlanError(f"cluster.nodes = {n}, cluster.gpus_per_node = {g}: both must be >= 1")
@@ -106,17 +108,36 @@ def make_plan(cluster: ClusterConfig, ps_required: bool, use_gpu: bool = False) 
         # (k + 1) % n keeps node 0, the chief's, free until every other node has a PS.
         ps_on_node[n + k if dedicated else (k + 1) % n] = k
 
+    gpu = gpu_map(n, g, gpus, one_host, cluster.backend == "gloo") if gpus else None
     procs: list[Proc] = []
     for node in range(nodes_total):
         local = 0
         if node < n:
             for r in range(g):
                 procs.append(Proc(len(procs), node, local, "worker", node * g + r, r,
-                                  f"cuda:{r}" if use_gpu else "cpu"))
+                                  f"cuda:{gpu[node * g + r]}" if gpu else "cpu"))
                 local += 1
         if node in ps_on_node:
             procs.append(Proc(len(procs), node, local, "ps", ps_on_node[node], -1, "cpu"))  # CPU work over gloo
     return Plan(tuple(procs), nodes_total)
+
+
+def gpu_map(nodes: int, per_node: int, gpus: int, one_host: bool, share: bool) -> list[int]:
+    """The GPU of each worker (in worker order), an index among those its host makes visible.
+
+    Ranks that share a host never share a GPU: NCCL refuses two ranks of one communicator on one
+    GPU ("Duplicate GPU detected"), and two replicas on one GPU would time each other. On its own
+    host (torchrun, Slurm) node k's replica r takes GPU r; the local launcher's emulated nodes
+    share this machine, so node k's replicas take GPUs k * gpus_per_node + r. share (gloo
+    between GPUs, cluster.backend = 'gloo'): replicas may share GPUs, assigned round-robin."""
+    on_host = nodes * per_node if one_host else per_node
+    if on_host > gpus and not share:
+        where = f"{nodes} emulated nodes x {per_node} replicas on this machine" if one_host and nodes > 1 else \
+            f"cluster.gpus_per_node = {per_node}"
+        raise PlanError(f"{where} need {on_host} GPUs but {gpus} {'is' if gpus == 1 else 'are'} visible here: "
+                        f"use fewer cluster.nodes or cluster.gpus_per_node, train.device = 'cpu' (also with "
+                        "train.emulate_compute_s), or cluster.backend = 'gloo' to let replicas share GPUs")
+    return [(w if one_host else w % per_node) % gpus for w in range(nodes * per_node)]
 
 
 def node_name(node: int) -> str:

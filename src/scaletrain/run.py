@@ -49,7 +49,8 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     """
     from .train import prepare_run_dir, train
 
-    launch_env.plan_for(cfg)  # an impossible cluster shape fails here, before any work
+    # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
+    launch_env.plan_for(cfg, probe_gpu=not launch_env.in_slurm_allocation())
     if not cfg.distributed:
         return train(cfg, run_dir, resume=resume, progress=progress)
     resume = prepare_run_dir(run_dir, resume, cfg)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, schedule, stats
+from .device import facts, not_applied, resolve, setup as setup_kernels
 from .compute import Backprop, Emulated, keep_freed_memory
 from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
@@ -43,10 +44,8 @@ log = logging.getLogger("scaletrain")
 
 
 def pick_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise RunError("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    if want == "cpu" or not torch.cuda.is_available():
+    """The device of a single-process run (a distributed one's comes from its plan)."""
+    if resolve(cfg.train.device, facts()) == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -55,12 +54,7 @@ def setup_process(cfg: Config) -> None:
     keep_freed_memory()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    else:
-        torch.backends.cudnn.benchmark = True
+    setup_kernels(cfg.train.deterministic)
 
 
 def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
@@ -109,9 +103,12 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     if not ctx.distributed:  # a launcher checked it before starting the processes
         resume = prepare_run_dir(run_dir, resume, cfg)
     setup_process(cfg)
-    device = pick_device(cfg) if ctx.me.device == "cpu" or not ctx.distributed else torch.device(ctx.me.device)
+    device = torch.device(ctx.me.device) if ctx.distributed else pick_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's kernels, NCCL and caching allocator on its own GPU only
+    ignored = not_applied(cfg, device.type)
+    if ignored and ctx.is_chief:
+        log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in ignored.items()))
     torch.manual_seed(cfg.train.seed)
     train_set, test_set, classes = build_datasets(cfg)
     model = build_model(cfg.model).to(device)
@@ -402,5 +399,6 @@ class Run:
             "skipped_images": len(self.bad), "skipped_files": sorted(self.bad)[:20],
             "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images,
-            "emulated_compute_s": self.cfg.train.emulate_compute_s}, self.cfg, self.ctx, self.device, job,
+            "emulated_compute_s": self.cfg.train.emulate_compute_s,
+            "not_applied": not_applied(self.cfg, self.device.type)}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())

@@ -20,7 +20,7 @@ import torch
 
 from .. import dist as sdist
 from .. import stats
-from ..errors import USER_ERRORS, Stopped
+from ..errors import USER_ERRORS, PlanError, Stopped
 from ..config import load_config
 from ..ps.server import run_shard
 from ..train import train
@@ -30,16 +30,20 @@ from .env import LaunchError
 
 def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = None) -> int:
     """Be one process of the job: find the seat, join, work, report. Returns the exit status."""
-    plan = launch_env.plan_for(cfg, probe_gpu=True)
     try:
+        plan = launch_env.plan_for(cfg, probe_gpu=True)
         seat = launch_env.seat(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
-    except LaunchError as e:
+    except (LaunchError, PlanError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     rank = seat.rank
     if not cfg.train.threads:
         torch.set_num_threads(int(os.environ.get("SCALETRAIN_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or 1))
     record(run_dir, plan, seat)
+    if plan.procs[rank].device.startswith("cuda"):
+        # Before any process group: NCCL's communicators, the caching allocator and every kernel of
+        # this process on its own GPU, never GPU 0 by default.
+        torch.cuda.set_device(plan.procs[rank].device)
     try:
         ctx = sdist.init(cfg, plan, seat)
     except (sdist.PeerLost, sdist.PortInUse, LaunchError) as e:

@@ -21,6 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..device import facts, gpus_for_plan
 from ..errors import LaunchError
 from ..plan import PlanError, Plan, make_plan, node_name
 
@@ -36,21 +37,23 @@ class Seat:
 
 
 def plan_for(cfg, probe_gpu: bool = False) -> Plan:
-    """The job's plan. Workers get GPUs unless train.device = "cpu"; with probe_gpu
-    (in a process about to run) only when CUDA is visible here too."""
+    """The job's plan. Without probe_gpu, workers are placed on gpus_per_node GPUs of each host
+    unless train.device = "cpu" (what `scaletrain plan` and the sbatch script show); with it (a
+    process about to run, or the local launcher before it starts them), on the GPUs this host
+    has, every node of the plan on this host unless torchrun or srun started this process.
+    Raises PlanError when the host cannot give what the config asks (device.py, plan.gpu_map)."""
     from ..strategies import entry
 
-    use_gpu = cfg.train.device != "cpu"
-    if use_gpu and probe_gpu:
-        import torch
-
-        use_gpu = torch.cuda.is_available()
     c = cfg.cluster
     if 0 < c.min_nodes < c.nodes and not entry(cfg).resizable:
         raise PlanError(f"cluster.min_nodes = {c.min_nodes} below cluster.nodes = {c.nodes}: a restart on fewer "
                         f"nodes is not defined for strategy.name = {cfg.strategy.name!r} (its parameter servers' "
                         "updates are tied to the node count); use 'allreduce' or leave min_nodes at 0")
-    return make_plan(c, entry(cfg).uses_ps, use_gpu)
+    if probe_gpu:
+        gpus, one_host = gpus_for_plan(cfg.train.device, facts()), not (in_torchrun() or in_slurm_step())
+    else:
+        gpus, one_host = (0 if cfg.train.device == "cpu" else c.gpus_per_node), False
+    return make_plan(c, entry(cfg).uses_ps, gpus, one_host)
 
 
 def in_torchrun(env=os.environ) -> bool:

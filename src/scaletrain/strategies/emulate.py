@@ -109,8 +109,9 @@ class EmulatedAsync(Strategy):
         super().restore(state)
         e = state["emulator"]
         self.version, self.hist = e["version"], list(e["hist"])
-        self.summed, self.gathered = list(e.get("summed", [])), e.get("gathered", 0)
-        self.history = deque(e["history"], maxlen=self.delay + 1)
+        on = self.current[0].device  # a checkpoint is read onto the CPU; these live where the model does
+        self.summed, self.gathered = [t.to(on) for t in e.get("summed", [])], e.get("gathered", 0)
+        self.history = deque([[t.to(on) for t in v] for v in e["history"]], maxlen=self.delay + 1)
         with torch.no_grad():
             for c, v in zip(self.current, self.history[-1]):
                 c.copy_(v)
