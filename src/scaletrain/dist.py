@@ -27,14 +27,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from .config import Config
-from .errors import EXIT_STOPPED, Stopped
+from .errors import EXIT_STOPPED, LaunchError, Stopped
 from .launch import fabric
 from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
                        heartbeat, linger, write_note)
-from .plan import Plan, Proc, make_plan
+from .plan import Plan, Proc, make_plan, node_name
 
 log = logging.getLogger("scaletrain")
 OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receive: no limit below hours
@@ -140,28 +141,78 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     ctx = Context(plan, plan.procs[seat.rank], c.timeout_s, tolerant=strategies.tolerant(cfg),
                   survivable=lambda lost: strategies.survivable(cfg, plan, lost),
                   lost_with=lambda rank: strategies.lost_with(plan, rank))
-    local_backend = "nccl" if plan.procs[0].device.startswith("cuda") else "gloo"
+    me = ctx.me
+    agree_on_devices(plan, me.rank)
+    local_backend = "nccl" if plan.workers[0].device.startswith("cuda") and c.backend != "gloo" else "gloo"
+    # NCCL communicators are built now, on this process's GPU (set_device came first), not at their first
+    # collective: that can be step 1000, after a store timeout, before the first checkpoint.
+    bound = torch.device(me.device) if local_backend == "nccl" and me.role == "worker" else None
     # Collective: every rank creates every group, in the same order.
-    groups = []
+    made = []  # (what, ranks, group)
     for node in range(plan.worker_nodes):
         ranks = [p.rank for p in plan.workers if p.node == node]
-        g = dist.new_group(ranks, timeout=timeout, backend=local_backend)
-        groups.append(g)
-        if ctx.me.node == node and ctx.me.role == "worker" and len(ranks) > 1:
+        g = dist.new_group(ranks, timeout=timeout, backend=local_backend,
+                           device_id=bound if me.rank in ranks else None)
+        made.append((f"the replicas of {node_name(node)}", ranks, g))
+        if me.node == node and me.role == "worker" and len(ranks) > 1:
             ctx.node_group = g
-    g = dist.new_group([p.rank for p in plan.workers], timeout=timeout, backend=local_backend)
-    groups.append(g)
-    cpu_g = g if local_backend == "gloo" else dist.new_group([p.rank for p in plan.workers], timeout=timeout,
-                                                             backend="gloo")
-    groups += [cpu_g] if cpu_g is not g else []
-    if ctx.me.role == "worker" and len(plan.workers) > 1:
+    workers = [p.rank for p in plan.workers]
+    g = dist.new_group(workers, timeout=timeout, backend=local_backend, device_id=bound)
+    made.append(("all workers", workers, g))
+    cpu_g = g if local_backend == "gloo" else dist.new_group(workers, timeout=timeout, backend="gloo")
+    if cpu_g is not g:
+        made.append(("all workers (host tensors)", workers, cpu_g))
+    if me.role == "worker" and len(plan.workers) > 1:
         ctx.workers_group, ctx.workers_cpu_group = g, cpu_g
+    groups = [g for _, _, g in made]
+    check_groups(made, me, timeout)  # still under the start-up timeout: a broken fabric fails now
     # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.
     for g in [None] + [g for g in groups if not dist.distributed_c10d._rank_not_in_group(g)]:
         dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, g)
     ctx._thread = threading.Thread(target=heartbeat, args=(ctx,), daemon=True, name="heartbeat")
     ctx._thread.start()
     return ctx
+
+
+def agree_on_devices(plan: Plan, rank: int) -> None:
+    """Every worker computes on a GPU, or none does: each process found its device on its own host
+    (launch/env.plan_for), and one without CUDA would pick gloo while its peers pick NCCL.
+    Collective over the world (gloo); every process raises the same LaunchError."""
+    mine = torch.tensor([int(plan.procs[rank].device.startswith("cuda"))])
+    every = [torch.zeros_like(mine) for _ in range(plan.world_size)]
+    dist.all_gather(every, mine)
+    on_gpu = [p.rank for p in plan.workers if int(every[p.rank])]
+    if on_gpu and len(on_gpu) < len(plan.workers):
+        cpu = next(p.rank for p in plan.workers if p.rank not in on_gpu)
+        others = f" and {len(on_gpu) - 1} other worker{'s' * (len(on_gpu) > 2)}" if len(on_gpu) > 1 else ""
+        raise LaunchError(f"{plan.describe(cpu)} found no CUDA GPU while {plan.describe(on_gpu[0])}{others} "
+                          "found one: every worker must see one (`scaletrain doctor` on its node says why), or set "
+                          "train.device = 'cpu'")
+
+
+def check_groups(made: list, me: Proc, timeout: datetime.timedelta) -> None:
+    """One small all-reduce in each group this process belongs to, waited for, so that a group that
+    cannot work (a fabric NCCL cannot use, a peer on a wrong interface) fails at start-up, naming it.
+    NCCL groups add a CUDA tensor (one host-device sync each, once); gloo groups a host tensor."""
+    for what, ranks, g in made:
+        if me.rank not in ranks:
+            continue
+        backend = dist.get_backend(g)
+        t = torch.ones(1, device=me.device if backend == "nccl" else "cpu")
+        try:
+            dist.all_reduce(t, group=g)
+            got = int(t.item())  # host-device sync on NCCL: the communicator has really run
+        except Exception as e:  # noqa: BLE001 - any failure here is the group's, said in one line
+            raise PeerLost(f"{what} (ranks {_ranks(ranks)}) could not run a collective over {backend} within "
+                           f"{timeout.total_seconds():.0f} s of start-up: {str(e).strip().splitlines()[-1]}; "
+                           "check cluster.ifname and the fabric (NCCL_DEBUG=INFO tells more)") from None
+        if got != len(ranks):
+            raise PeerLost(f"{what} (ranks {_ranks(ranks)}) summed {got} over {backend} instead of {len(ranks)}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \
+        ", ".join(map(str, ranks))
 
 
 def wait(work) -> None:

@@ -1,0 +1,83 @@
+"""Start-up of a job's process groups with real processes over gloo (dist.py): every group runs a
+collective before training, so a group that cannot work fails at start-up naming it, and the
+workers agree on the device before any NCCL group is made."""
+import datetime
+import multiprocessing as mp
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import ClusterConfig
+from scaletrain.plan import make_plan
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank, port):
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=TIMEOUT)
+
+
+def broken_peer(rank, port, out):
+    """Rank 1 dies (as a process killed at start-up would) after making the group, before its collective."""
+    from scaletrain import dist as sdist
+
+    join(rank, port)
+    plan = make_plan(ClusterConfig(nodes=1, gpus_per_node=2), ps_required=False)
+    g = dist.new_group([0, 1], timeout=TIMEOUT)
+    if rank == 1:
+        os._exit(0)
+    try:
+        sdist.check_groups([("the replicas of node 1", [0, 1], g)], plan.procs[rank], TIMEOUT)
+        out.put("no error")
+    except sdist.PeerLost as e:
+        out.put(str(e))
+
+
+def disagreeing(rank, port, out):
+    """Rank 1 found GPUs where rank 0 found none: each built its plan from its own host's facts."""
+    from scaletrain import dist as sdist
+
+    join(rank, port)
+    plan = make_plan(ClusterConfig(nodes=2, gpus_per_node=1), ps_required=False, gpus=rank)
+    try:
+        sdist.agree_on_devices(plan, rank)
+        out.put("agreed")
+    except Exception as e:  # noqa: BLE001
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def run(target):
+    ctx, port = mp.get_context("spawn"), free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode is not None, "a process hung"
+    return [out.get(timeout=5) for _ in range(out.qsize())]
+
+
+def test_a_group_that_cannot_run_a_collective_fails_at_start_up_naming_it():
+    (msg,) = run(broken_peer)
+    assert msg.startswith("the replicas of node 1 (ranks 0-1) could not run a collective over gloo"), msg
+    assert "cluster.ifname" in msg and "\n" not in msg
+
+
+def test_workers_that_disagree_on_the_device_fail_naming_both():
+    msgs = run(disagreeing)
+    assert len(msgs) == 2 and msgs[0] == msgs[1], msgs
+    assert msgs[0].startswith("LaunchError: rank 0 (worker 0 on node 1) found no CUDA GPU while rank 1 (worker 1 "
+                              "on node 2) found one"), msgs[0]
