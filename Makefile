@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The study in miniature: digits, a small ResNet, 1, 2 and 4 emulated nodes x 2 replicas,
+# The study in miniature: digits, a small ResNet, 1, 2 and 4 emulated nodes x 2 replicas (on the
+# CPUs, as the recipe says, even where there are GPUs: 4 nodes x 2 replicas would need 8 of them),
 # allreduce vs sync vs mixed-async (and sync without the learning-rate rule, to show what it does):
 # a throughput bench, a learning study, one report. The learning rate scales linearly with the
 # images per update (optim.scale_lr), with a short warm-up, as Goyal et al.

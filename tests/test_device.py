@@ -156,7 +156,7 @@ def test_a_setting_the_device_cannot_take_is_recorded_as_not_applied(digits_cfg,
 
     from scaletrain.train import train
 
-    cfg = digits_cfg("train.steps=2", "model.name=resnet8", "train.precision=bf16")  # device auto: CPU here
+    cfg = digits_cfg("train.steps=2", "model.name=resnet8", "train.precision=bf16", "train.device=auto")  # CPU here
     train(cfg, tmp_path, progress=False)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["not_applied"] == {"train.precision": "bf16: bf16 autocast runs on CUDA only; this run "
