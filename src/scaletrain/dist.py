@@ -142,8 +142,8 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
                   survivable=lambda lost: strategies.survivable(cfg, plan, lost),
                   lost_with=lambda rank: strategies.lost_with(plan, rank))
     me = ctx.me
-    agree_on_devices(plan, me.rank)
-    local_backend = "nccl" if plan.workers[0].device.startswith("cuda") and c.backend != "gloo" else "gloo"
+    on_gpu = agree_on_devices(plan, me.rank)
+    local_backend = "nccl" if on_gpu and c.backend != "gloo" else "gloo"
     # NCCL communicators are built now, on this process's GPU (set_device came first), not at their first
     # collective: that can be step 1000, after a store timeout, before the first checkpoint.
     bound = torch.device(me.device) if local_backend == "nccl" and me.role == "worker" else None
@@ -174,10 +174,11 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     return ctx
 
 
-def agree_on_devices(plan: Plan, rank: int) -> None:
-    """Every worker computes on a GPU, or none does: each process found its device on its own host
-    (launch/env.plan_for), and one without CUDA would pick gloo while its peers pick NCCL.
-    Collective over the world (gloo); every process raises the same LaunchError."""
+def agree_on_devices(plan: Plan, rank: int) -> bool:
+    """Whether the workers compute on GPUs: every one does, or none. Each process found its device
+    on its own host (launch/env.plan_for), and one without CUDA would pick gloo while its peers pick
+    NCCL. Collective over the world (gloo): every process gets the same answer, or raises the same
+    LaunchError."""
     mine = torch.tensor([int(plan.procs[rank].device.startswith("cuda"))])
     every = [torch.zeros_like(mine) for _ in range(plan.world_size)]
     dist.all_gather(every, mine)
@@ -188,6 +189,7 @@ def agree_on_devices(plan: Plan, rank: int) -> None:
         raise LaunchError(f"{plan.describe(cpu)} found no CUDA GPU while {plan.describe(on_gpu[0])}{others} "
                           "found one: every worker must see one (`scaletrain doctor` on its node says why), or set "
                           "train.device = 'cpu'")
+    return bool(on_gpu)
 
 
 def check_groups(made: list, me: Proc, timeout: datetime.timedelta) -> None:

@@ -31,8 +31,10 @@ from .env import LaunchError
 def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = None) -> int:
     """Be one process of the job: find the seat, join, work, report. Returns the exit status."""
     try:
-        plan = launch_env.plan_for(cfg, probe_gpu=True)
+        plan = launch_env.plan_for(cfg)
         seat = launch_env.seat(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
+        if plan.procs[seat.rank].role == "worker":  # its GPUs, on this host (a PS uses none: its host may have none)
+            plan = launch_env.plan_for(cfg, probe_gpu=True)
     except (LaunchError, PlanError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         return 2
