@@ -110,7 +110,7 @@ def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tu
     except LaunchError as e:
         chosen, error = None, str(e)
     why = ("cluster.ifname" if c.ifname else "loopback: every process on this machine" if chosen == "lo"
-           else "InfiniBand first, as NCCL chooses")
+           else "an InfiniBand interface first, as NCCL chooses")
     out = {"interfaces": ifaces}
     for lib, key, default in (("gloo", "GLOO_SOCKET_IFNAME", (host["hostname_ifname"], "the host name's interface")),
                               ("nccl", "NCCL_SOCKET_IFNAME", (None, "NCCL's own choice"))):
@@ -167,7 +167,9 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
                  f"({' '.join(slurm['nodes'])})", fails=True)
         here = slurm["nodes"].index(slurm["node"]) if slurm["node"] in slurm["nodes"] else -1
         procs = len(plan.on_node(here)) if 0 <= here < plan.nodes_total else 0
-        each = cfg.data.workers + max(1, t.threads)  # as launch/slurm.py's --cpus-per-task
+        from .launch.slurm import cpus_per_task  # here: it imports torch
+
+        each = cpus_per_task(cfg)  # what the step asks of Slurm for every task, a PS too
         have = int(slurm["cpus_on_node"]) if (slurm["cpus_on_node"] or "").isdigit() else None
         if procs and have is not None and procs * each > have:
             warn(f"the plan runs {procs} processes on {slurm['node']}, {each} CPUs each (data.workers = "
