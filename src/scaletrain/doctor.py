@@ -30,7 +30,6 @@ from .launch.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_
 SLURM = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "tasks": "SLURM_NTASKS",
          "cpus_on_node": "SLURM_CPUS_ON_NODE", "cpus_per_task": "SLURM_CPUS_PER_TASK",
          "gpus_on_node": "SLURM_GPUS_ON_NODE", "job_gpus": "SLURM_JOB_GPUS", "step_gpus": "SLURM_STEP_GPUS"}
-GIB = 2**30
 
 
 def torch_facts() -> dict:
@@ -64,13 +63,11 @@ def torch_facts() -> dict:
 def gather(env=os.environ) -> tuple[dict, dict, dict, dict]:
     """This machine's facts: (torch facts, environment, interfaces, host)."""
     ifaces = fabric.interfaces()
-    mem = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            mem[key] = int(value.split()[0]) * 1024
+    try:  # "MemTotal:  24683656 kB"
+        mem = {k: int(v.split()[0]) * 1024 for k, _, v in map(lambda line: line.partition(":"),
+                                                               Path("/proc/meminfo").read_text().splitlines())}
     except (OSError, ValueError, IndexError):
-        pass
+        mem = {}
     host = {"name": socket.gethostname(), "hostname_ifname": fabric.hostname_interface(ifaces),
             "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "memory_bytes": mem.get("MemTotal"), "memory_available_bytes": mem.get("MemAvailable"),
@@ -198,6 +195,11 @@ def report(tf: dict, env: dict, ifaces: dict, host: dict, cfg: Config | None = N
             "warnings": checks(cfg, tf, slurm, net_error, exists)}
 
 
+def _cudnn(v: int) -> str:
+    """torch's cuDNN number as a version: 91002 -> 9.10.2 (cuDNN 9), 8902 -> 8.9.2 (before)."""
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 90000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+
 def human(rep: dict) -> str:
     """Short aligned lines, a section per topic, warnings last."""
     t, g, n, s, h = rep["torch"], rep["gpus"], rep["network"], rep["slurm"], rep["host"]
@@ -209,11 +211,11 @@ def human(rep: dict) -> str:
         d = n[lib]
         return f"{d['ifname'] or '-'}{' ' + d['address'] if d['address'] else ''} ({d['why']})"
 
-    gib = lambda b: "?" if b is None else f"{b / GIB:.1f} GiB"  # noqa: E731
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.1f} GiB"  # noqa: E731
     sections = {
         "torch": [("version", f"{t['version']} ({dict(cpu='CPU', cuda='CUDA', rocm='ROCm')[t['build']]} build)"),
                   ("CUDA runtime", show(t["cuda"] or t["hip"])), ("NCCL", show(t["nccl"])),
-                  ("cuDNN", show(t["cudnn"]))] + ([("CUDA error", t["error"])] if t["error"] else []),
+                  ("cuDNN", show(t["cudnn"] and _cudnn(t["cudnn"])))] + ([("CUDA error", t["error"])] if t["error"] else []),
         "GPUs": ([(f"GPU {d['index']}", f"{d['name']}, {gib(d['memory_bytes'])}") for d in g["visible"]]
                 or [("visible", "none")]) + [("CUDA_VISIBLE_DEVICES", "unset" if g["CUDA_VISIBLE_DEVICES"] is None
                                                        else g["CUDA_VISIBLE_DEVICES"] or "'' (hides every GPU)")],
@@ -221,10 +223,11 @@ def human(rep: dict) -> str:
                     ("interfaces", ", ".join(f"{k} {v}" for k, v in n["interfaces"].items()) or "none")],
         "Slurm": ([("job", f"{s['job_id']}" + (f" (partition {s['partition']})" if s["partition"] else "")),
                    ("nodes", f"{' '.join(s['nodes'])} ({len(s['nodes'])})"), ("this node", s["node"]),
-                   ("tasks", show(s["tasks"])),
-                   ("CPUs", f"{show(s['cpus_on_node'])} on this node, {show(s['cpus_per_task'])} per task"),
-                   ("GPUs", f"{s['gpus']} on this node (SLURM_GPUS_ON_NODE {show(s['gpus_on_node'])}, "
-                            f"SLURM_JOB_GPUS {show(s['job_gpus'])}, SLURM_STEP_GPUS {show(s['step_gpus'])})")]
+                   ("tasks", s["tasks"] or "unset"),
+                   ("CPUs", f"{s['cpus_on_node'] or 'unset'} on this node, {s['cpus_per_task'] or '1 (the default)'} "
+                            "per task"),
+                   ("GPUs", f"{s['gpus']} on this node (" + ", ".join(f"{SLURM[k]} {s[k] or 'unset'}" for k in
+                                                                   ("gpus_on_node", "job_gpus", "step_gpus")) + ")")]
                   if s["allocation"] else [("allocation", "not in a Slurm allocation")])
                  + [(cmd, s[cmd] or "not found") for cmd in ("sbatch", "srun")],
         "host": [("name", h["name"]), ("CPU cores", f"{h['cpu_count']} ({h['affinity']} usable by this process)"),
@@ -235,7 +238,7 @@ def human(rep: dict) -> str:
         lines += ["", title] + [f"  {k:<21} {v}" for k, v in rows]
     if rep["warnings"]:
         lines.append("")
-    lines += [f"warning: {w['text']}" + (" (the job would fail)" if w["fails"] else "") for w in rep["warnings"]]
+    lines += [f"warning: {w['text']}" + ("; the job would fail" if w["fails"] else "") for w in rep["warnings"]]
     return "\n".join(lines)
 
 
