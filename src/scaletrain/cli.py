@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--workers", type=int, default=0, help="processes that read and check images (default: all cores)")
     pk.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
+    dr = sub.add_parser("doctor", help="check this machine before a long job: torch, GPUs, network, Slurm, "
+                        "and with a recipe what would not work here")
+    dr.add_argument("--recipe", help="TOML recipe to check against this machine (optional)")
+    dr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe key (repeatable)")
+    dr.add_argument("--format", choices=("human", "json"), default="human")
     from .perfmodel.commands import add_parsers
 
     add_parsers(sub)
@@ -94,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, doc in field_docs().items():
             print(f"{k:28s} {doc}")
         return 0
+    if args.command == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(args)
     if args.command == "report":
         from .report import main as report_main
 

@@ -1,0 +1,261 @@
+"""`scaletrain doctor`: what to check on a machine before a long job, in one command.
+
+The torch build and what CUDA it sees, the GPUs, the interfaces gloo and NCCL would use, the
+Slurm allocation, cores and memory; with a recipe, each setting that would not take effect or
+would fail here, as one line each. `gather` reads the real facts; everything else is a pure
+function of them (environment, torch facts, interfaces, host), so made-up GPU clusters test it.
+
+Exit status 1 when a warning says the job would fail as configured: train.device = cuda with no
+GPU visible (also on a CPU build), cluster.gpus_per_node above the GPUs visible, a plan that
+cannot be placed or needs more nodes or CPUs than the allocation has (srun refuses the step),
+cluster.ifname not on this host, data.root / data.test_root / model.init_from not found.
+The others (a CPU build or no GPU under train.device = auto, bf16 or channels_last on a CPU)
+leave a job that runs, only not as meant.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import warnings as pywarnings
+from pathlib import Path
+
+from .config import ROOTS, Config
+from .errors import LaunchError, PlanError
+from .launch import fabric
+from .launch.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_for
+
+SLURM = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "tasks": "SLURM_NTASKS",
+         "cpus_on_node": "SLURM_CPUS_ON_NODE", "cpus_per_task": "SLURM_CPUS_PER_TASK",
+         "gpus_on_node": "SLURM_GPUS_ON_NODE", "job_gpus": "SLURM_JOB_GPUS", "step_gpus": "SLURM_STEP_GPUS"}
+
+
+def torch_facts() -> dict:
+    """The torch build and the GPUs it sees. Every CUDA call is guarded: a CPU build, a missing
+    driver or a GPU in a bad state becomes `error`, never an exception."""
+    import torch  # here, not at import: seconds, and `scaletrain --help` needs none of it
+
+    f = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+         "nccl": None, "cudnn": None, "gpus": [], "error": None}
+    if f["cuda"] is None and f["hip"] is None:
+        return f
+    try:
+        with pywarnings.catch_warnings(record=True) as said:  # torch warns, not raises, when it finds no driver
+            pywarnings.simplefilter("always")
+            if torch.cuda.is_available():
+                for i in range(torch.cuda.device_count()):
+                    p = torch.cuda.get_device_properties(i)
+                    f["gpus"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory})
+            f["error"] = next((str(w.message).splitlines()[0] for w in said if "CUDA" in str(w.message)), None)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_nccl_available():
+            f["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        if torch.backends.cudnn.is_available():
+            f["cudnn"] = torch.backends.cudnn.version()
+    except (RuntimeError, AssertionError, OSError) as e:
+        f["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f
+
+
+def gather(env=os.environ) -> tuple[dict, dict, dict, dict]:
+    """This machine's facts: (torch facts, environment, interfaces, host)."""
+    ifaces = fabric.interfaces()
+    try:  # "MemTotal:  24683656 kB"
+        mem = {k: int(v.split()[0]) * 1024 for k, _, v in map(lambda line: line.partition(":"),
+                                                               Path("/proc/meminfo").read_text().splitlines())}
+    except (OSError, ValueError, IndexError):
+        mem = {}
+    host = {"name": socket.gethostname(), "hostname_ifname": fabric.hostname_interface(ifaces),
+            "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "memory_bytes": mem.get("MemTotal"), "memory_available_bytes": mem.get("MemAvailable"),
+            "sbatch": shutil.which("sbatch"), "srun": shutil.which("srun")}
+    return torch_facts(), dict(env), ifaces, host
+
+
+def slurm_facts(env: dict, host: dict) -> dict:
+    """The allocation as Slurm's variables give it (every key present; None outside one)."""
+    inside = in_slurm_allocation(env)
+    out = {"allocation": inside, **{k: env.get(v) if inside else None for k, v in SLURM.items()},
+           "nodes": None, "node": None, "gpus": None, "sbatch": host["sbatch"], "srun": host["srun"]}
+    if not inside:
+        return out
+    try:
+        out["nodes"] = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+    except LaunchError:
+        out["nodes"] = []
+    out["node"] = env.get("SLURMD_NODENAME") or host["name"].split(".")[0]  # an salloc shell has no SLURMD_*
+    if (out["gpus_on_node"] or "").isdigit():
+        out["gpus"] = int(out["gpus_on_node"])
+    else:  # older Slurm: only the indices, "0,1,2,3"
+        out["gpus"] = len([g for g in (out["step_gpus"] or out["job_gpus"] or "").split(",") if g])
+    return out
+
+
+def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tuple[dict, str | None]:
+    """The interfaces of gloo's and NCCL's sockets as dist.init would set them; and the error
+    it would raise for a cluster.ifname this host lacks."""
+    c, error = cfg.cluster, None
+    try:
+        local = c.master_addr == "localhost" or ipaddress.ip_address(c.master_addr).is_loopback
+    except ValueError:  # a host name: the job's processes are spread over machines
+        local = False
+    try:
+        chosen = fabric.choose(c.ifname, ifaces, not slurm["allocation"] and not in_torchrun(env) and local)
+    except LaunchError as e:
+        chosen, error = None, str(e)
+    why = ("cluster.ifname" if c.ifname else "loopback: every process on this machine" if chosen == "lo"
+           else "an InfiniBand interface first, as NCCL chooses")
+    out = {"interfaces": ifaces}
+    for lib, key, default in (("gloo", "GLOO_SOCKET_IFNAME", (host["hostname_ifname"], "the host name's interface")),
+                              ("nccl", "NCCL_SOCKET_IFNAME", (None, "NCCL's own choice"))):
+        name, reason = (env[key], f"set by {key}") if env.get(key) else (chosen, why) if chosen else default
+        out[lib] = {"ifname": name, "address": ifaces.get(name), "why": reason}
+    return out, error
+
+
+def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
+           exists=os.path.exists) -> list[dict]:
+    """Each mismatch between the config and this machine: {"text": one line, "fails": would the job fail}."""
+    out = []
+
+    def warn(text: str, fails: bool = False) -> None:
+        out.append({"text": text, "fails": fails})
+
+    device = cfg.train.device if cfg else "auto"
+    visible, cpu_build = len(tf["gpus"]), tf["cuda"] is None and tf["hip"] is None
+    if device != "cpu" and cpu_build and slurm["gpus"]:
+        warn(f"torch {tf['version']} is a CPU build but this allocation has {slurm['gpus']} GPUs: install a CUDA "
+             "build of torch, or set train.device = cpu", fails=device == "cuda")
+    elif device == "cuda" and not visible:
+        warn("train.device = cuda but no GPU is visible" + (f" ({tf['error']})" if tf["error"] else "")
+             + ("; torch is a CPU build" if cpu_build else "") + ": use train.device = auto or cpu", fails=True)
+    elif device == "auto" and slurm["gpus"] and not visible:
+        warn(f"this allocation has {slurm['gpus']} GPUs but torch sees none"
+             + (f" ({tf['error']})" if tf["error"] else "") + ": the job would run on the CPU")
+    if cfg is None:
+        return out
+    t, c = cfg.train, cfg.cluster
+    if device != "cpu" and 0 < visible < c.gpus_per_node:
+        warn(f"cluster.gpus_per_node = {c.gpus_per_node} but {visible} GPU{'s are' if visible > 1 else ' is'} "
+             f"visible here: set cluster.gpus_per_node = {visible}, or ask for {c.gpus_per_node} GPUs a node",
+             fails=True)
+    if device == "cpu" or not visible:
+        for key, on in (("precision = bf16", t.precision == "bf16"), ("channels_last = true", t.channels_last)):
+            if on:
+                warn(f"train.{key} takes effect on CUDA only; this job would run on the CPU without it")
+    if net_error:
+        warn(net_error, fails=True)
+    for key, path in (("data.root", cfg.data.root if cfg.data.name in ROOTS else ""),
+                      ("data.test_root", cfg.data.test_root if cfg.data.name in ROOTS else ""),
+                      ("model.init_from", cfg.model.init_from)):
+        if path and not exists(path):
+            warn(f"{key} = {path!r}: not found from {os.getcwd()}", fails=True)
+    try:
+        plan = plan_for(cfg)
+    except PlanError as e:
+        warn(str(e), fails=True)
+        return out
+    if slurm["allocation"] and slurm["nodes"]:
+        if len(slurm["nodes"]) < plan.nodes_total:
+            warn(f"the plan needs {plan.nodes_total} nodes; this allocation has {len(slurm['nodes'])} "
+                 f"({' '.join(slurm['nodes'])})", fails=True)
+        here = slurm["nodes"].index(slurm["node"]) if slurm["node"] in slurm["nodes"] else -1
+        procs = len(plan.on_node(here)) if 0 <= here < plan.nodes_total else 0
+        from .launch.slurm import cpus_per_task  # here: it imports torch
+
+        each = cpus_per_task(cfg)  # what the step asks of Slurm for every task, a PS too
+        have = int(slurm["cpus_on_node"]) if (slurm["cpus_on_node"] or "").isdigit() else None
+        if procs and have is not None and procs * each > have:
+            warn(f"the plan runs {procs} processes on {slurm['node']}, {each} CPUs each (data.workers = "
+                 f"{cfg.data.workers} loaders + {max(1, t.threads)} thread{'s' if t.threads > 1 else ''}): "
+                 f"{procs * each} CPUs, but Slurm gave this job {have} here: lower data.workers or ask for more CPUs",
+                 fails=True)
+    return out
+
+
+def report(tf: dict, env: dict, ifaces: dict, host: dict, cfg: Config | None = None, exists=os.path.exists) -> dict:
+    """The whole picture as one JSON-ready object (stable keys)."""
+    slurm = slurm_facts(env, host)
+    net, net_error = network(cfg or Config(), env, ifaces, host, slurm)
+    build = ("CPU" if tf["cuda"] is None and tf["hip"] is None else f"CUDA {tf['cuda']}" if tf["cuda"]
+             else f"ROCm {tf['hip']}")
+    gpus = tf["gpus"]
+    seen = f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''} visible ({gpus[0]['name']})" if gpus else "no GPU visible"
+    where = f"Slurm job {slurm['job_id']} on {slurm['node']}" if slurm["allocation"] else \
+        "not in a Slurm allocation" + ("" if host["sbatch"] or host["srun"] else " (no sbatch or srun here)")
+    return {"summary": f"this machine: {seen}, {build} build of torch, {where}",
+            "torch": {"version": tf["version"], "build": build.split()[0].lower(), "cuda": tf["cuda"],
+                      "hip": tf["hip"], "nccl": tf["nccl"], "cudnn": tf["cudnn"], "error": tf["error"]},
+            "gpus": {"visible": gpus, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES")},
+            "network": net, "slurm": slurm,
+            "host": {k: host[k] for k in ("name", "cpu_count", "affinity", "memory_bytes", "memory_available_bytes")},
+            "warnings": checks(cfg, tf, slurm, net_error, exists)}
+
+
+def _cudnn(v: int) -> str:
+    """torch's cuDNN number as a version: 91002 -> 9.10.2 (cuDNN 9), 8902 -> 8.9.2 (before)."""
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 90000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+
+def human(rep: dict) -> str:
+    """Short aligned lines, a section per topic, warnings last."""
+    t, g, n, s, h = rep["torch"], rep["gpus"], rep["network"], rep["slurm"], rep["host"]
+
+    def show(v) -> str:
+        return "none" if v is None else str(v)
+
+    def sock(lib: str) -> str:
+        d = n[lib]
+        return f"{d['ifname'] or '-'}{' ' + d['address'] if d['address'] else ''} ({d['why']})"
+
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.1f} GiB"  # noqa: E731
+    sections = {
+        "torch": [("version", f"{t['version']} ({dict(cpu='CPU', cuda='CUDA', rocm='ROCm')[t['build']]} build)"),
+                  ("CUDA runtime", show(t["cuda"] or t["hip"])), ("NCCL", show(t["nccl"])),
+                  ("cuDNN", show(t["cudnn"] and _cudnn(t["cudnn"])))] + ([("CUDA error", t["error"])] if t["error"] else []),
+        "GPUs": ([(f"GPU {d['index']}", f"{d['name']}, {gib(d['memory_bytes'])}") for d in g["visible"]]
+                or [("visible", "none")]) + [("CUDA_VISIBLE_DEVICES", "unset" if g["CUDA_VISIBLE_DEVICES"] is None
+                                                       else g["CUDA_VISIBLE_DEVICES"] or "'' (hides every GPU)")],
+        "network": [("gloo", sock("gloo")), ("NCCL", sock("nccl")),
+                    ("interfaces", ", ".join(f"{k} {v}" for k, v in n["interfaces"].items()) or "none")],
+        "Slurm": ([("job", f"{s['job_id']}" + (f" (partition {s['partition']})" if s["partition"] else "")),
+                   ("nodes", f"{' '.join(s['nodes'])} ({len(s['nodes'])})"), ("this node", s["node"]),
+                   ("tasks", s["tasks"] or "unset"),
+                   ("CPUs", f"{s['cpus_on_node'] or 'unset'} on this node, {s['cpus_per_task'] or '1 (the default)'} "
+                            "per task"),
+                   ("GPUs", f"{s['gpus']} on this node (" + ", ".join(f"{SLURM[k]} {s[k] or 'unset'}" for k in
+                                                                   ("gpus_on_node", "job_gpus", "step_gpus")) + ")")]
+                  if s["allocation"] else [("allocation", "not in a Slurm allocation")])
+                 + [(cmd, s[cmd] or "not found") for cmd in ("sbatch", "srun")],
+        "host": [("name", h["name"]), ("CPU cores", f"{h['cpu_count']} ({h['affinity']} usable by this process)"),
+                 ("memory", f"{gib(h['memory_bytes'])} ({gib(h['memory_available_bytes'])} available)")],
+    }
+    lines = [rep["summary"]]
+    for title, rows in sections.items():
+        lines += ["", title] + [f"  {k:<21} {v}" for k, v in rows]
+    if rep["warnings"]:
+        lines.append("")
+    lines += [f"warning: {w['text']}" + ("; the job would fail" if w["fails"] else "") for w in rep["warnings"]]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """`scaletrain doctor`: 0, 1 when a warning says the job would fail, 2 for bad input."""
+    import json
+    import sys
+
+    from .config import ConfigError, load_config
+
+    cfg = None
+    if args.recipe or args.overrides:  # --set alone: the defaults with those keys
+        try:
+            cfg = load_config(args.recipe, args.overrides)
+        except ConfigError as e:
+            print(f"scaletrain: config error: {e}", file=sys.stderr)
+            return 2
+    rep = report(*gather(), cfg=cfg)
+    print(json.dumps(rep, indent=2) if args.format == "json" else human(rep))
+    return 1 if any(w["fails"] for w in rep["warnings"]) else 0

@@ -1,0 +1,120 @@
+"""`scaletrain doctor`: this machine as it is, made-up GPU clusters (pure functions), and a real
+Slurm allocation on the emulated cluster."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import RECIPES, ROOT, scaletrain_cmd
+from scaletrain import doctor
+from scaletrain.cli import main
+from scaletrain.config import load_config
+
+import slurm_cluster
+
+CPU_TORCH = {"version": "2.13.0+cpu", "cuda": None, "hip": None, "nccl": None, "cudnn": None, "gpus": [],
+             "error": None}
+HOST = {"name": "gpu1", "hostname_ifname": "eno1", "cpu_count": 64, "affinity": 64, "memory_bytes": 512 * 2**30,
+        "memory_available_bytes": 500 * 2**30, "sbatch": "/usr/bin/sbatch", "srun": "/usr/bin/srun"}
+IFACES = {"lo": "127.0.0.1", "eno1": "10.1.0.7", "ib0": "10.2.0.7"}
+ALLOCATION = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURMD_NODENAME": "gpu1",
+              "SLURM_NTASKS": "8", "SLURM_CPUS_ON_NODE": "32", "SLURM_GPUS_ON_NODE": "4",
+              "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_JOB_PARTITION": "gpu"}
+
+
+def cuda_torch(n):
+    return dict(CPU_TORCH, version="2.13.0+cu126", cuda="12.6", nccl="2.26.2", cudnn=91002,
+                gpus=[{"index": i, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2**30} for i in range(n)])
+
+
+def cfg(*overrides):
+    return load_config(RECIPES / "digits.toml", list(overrides))
+
+
+def warnings(rep):
+    return [(w["text"], w["fails"]) for w in rep["warnings"]]
+
+
+def test_this_machine_says_no_gpu_cpu_torch_and_no_slurm():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    human = subprocess.run(scaletrain_cmd("doctor"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert human.returncode == 0, human.stderr
+    first = human.stdout.splitlines()[0]
+    assert first.startswith("this machine: no GPU visible, CPU build of torch, not in a Slurm allocation"), first
+    assert "not in a Slurm allocation" in human.stdout and "gloo " in human.stdout
+    r = subprocess.run(scaletrain_cmd("doctor", "--format", "json"), cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    rep = json.loads(r.stdout)
+    assert (rep["torch"]["build"], rep["torch"]["cuda"], rep["gpus"]["visible"]) == ("cpu", None, [])
+    assert rep["slurm"]["allocation"] is False and rep["warnings"] == []
+    assert rep["network"]["interfaces"]["lo"] == "127.0.0.1" and rep["host"]["cpu_count"] >= 1
+
+
+def test_a_missing_recipe_is_one_line_and_status_2(capsys):
+    assert main(["doctor", "--recipe", "no-such-recipe.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "no-such-recipe.toml not found" in err
+
+
+def test_cpu_build_in_a_gpu_allocation_names_the_fix():
+    rep = doctor.report(CPU_TORCH, ALLOCATION, IFACES, HOST, cfg("train.device=auto"))
+    assert warnings(rep) == [("torch 2.13.0+cpu is a CPU build but this allocation has 4 GPUs: install a CUDA build "
+                              "of torch, or set train.device = cpu", False)]
+    # Asked for CUDA outright, the job fails: exit status 1.
+    assert warnings(doctor.report(CPU_TORCH, ALLOCATION, IFACES, HOST, cfg("train.device=cuda")))[0][1] is True
+    assert not doctor.report(CPU_TORCH, ALLOCATION, IFACES, HOST, cfg("train.device=cpu"))["warnings"]
+    assert doctor.human(rep).splitlines()[-1].startswith("warning: torch 2.13.0+cpu is a CPU build")
+
+
+def test_more_gpus_per_node_than_visible_names_both_numbers():
+    rep = doctor.report(cuda_torch(2), {}, IFACES, HOST, cfg("cluster.gpus_per_node=4"))
+    (text, fails), = warnings(rep)
+    assert "cluster.gpus_per_node = 4 but 2 GPUs are visible" in text and fails
+    assert rep["summary"].startswith("this machine: 2 GPUs visible (NVIDIA H100 80GB HBM3), CUDA 12.6 build")
+    assert not doctor.report(cuda_torch(4), {}, IFACES, HOST, cfg("cluster.gpus_per_node=4"))["warnings"]
+
+
+def test_bf16_on_a_cpu_is_said():
+    (text, fails), = warnings(doctor.report(CPU_TORCH, {}, IFACES, HOST, cfg("train.precision=bf16")))
+    assert text.startswith("train.precision = bf16 takes effect on CUDA only") and not fails
+    assert not doctor.report(cuda_torch(1), {}, IFACES, HOST, cfg("train.precision=bf16"))["warnings"]
+
+
+def test_missing_data_root_is_said(tmp_path):
+    missing = tmp_path / "no-such-dir"
+    rep = doctor.report(CPU_TORCH, {}, IFACES, HOST, cfg("data.name=imagefolder", f"data.root={missing}"))
+    assert warnings(rep) == [(f"data.root = '{missing}': not found from {os.getcwd()}", True)]
+    missing.mkdir()
+    assert not doctor.report(CPU_TORCH, {}, IFACES, HOST, cfg("data.name=imagefolder", f"data.root={missing}"))[
+        "warnings"]
+
+
+def test_allocation_and_interfaces_are_read_from_made_up_facts():
+    env = dict(ALLOCATION, NCCL_SOCKET_IFNAME="eno1")
+    rep = doctor.report(cuda_torch(4), env, IFACES, HOST,
+                        cfg("cluster.nodes=2", "cluster.gpus_per_node=4", "data.workers=8"))
+    s = rep["slurm"]
+    assert (s["job_id"], s["nodes"], s["node"], s["gpus"], s["cpus_on_node"]) == ("4242", ["gpu1", "gpu2"], "gpu1",
+                                                                                     4, "32")
+    assert (rep["network"]["gloo"]["ifname"], rep["network"]["nccl"]["ifname"]) == ("ib0", "eno1")
+    # 4 workers x (8 loaders + 1 thread) = 36 CPUs on gpu1, which has 32: srun would refuse the step.
+    (text, fails), = warnings(rep)
+    assert "4 processes on gpu1, 9 CPUs each" in text and "36 CPUs" in text and "32" in text and fails
+
+
+@pytest.mark.skipif(slurm_cluster.available() is not None, reason=str(slurm_cluster.available()))
+def test_inside_a_two_node_allocation(tmp_path):
+    with slurm_cluster.Cluster() as c:
+        c.start(tmp_path / "slurm")
+        r = subprocess.run(["srun", "-N2", f"--output={tmp_path}/doctor-%t.json", f"--chdir={ROOT}",
+                            *scaletrain_cmd("doctor", "--format", "json")],
+                           env=c.env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    reps = [json.loads((tmp_path / f"doctor-{t}.json").read_text()) for t in (0, 1)]
+    assert [rep["slurm"]["node"] for rep in reps] == ["node1", "node2"]
+    for rep in reps:
+        s = rep["slurm"]
+        assert s["allocation"] and s["job_id"] == reps[0]["slurm"]["job_id"] and s["job_id"].isdigit()
+        assert (s["nodes"], s["tasks"], s["cpus_on_node"], s["gpus"]) == (["node1", "node2"], "2", "8", 0)
+        assert rep["network"]["gloo"]["why"] != "loopback: every process on this machine"
