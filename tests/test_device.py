@@ -35,12 +35,12 @@ def test_a_local_job_asking_more_gpus_than_the_host_has_fails_naming_both(nodes,
     with pytest.raises(PlanError) as e:
         make_plan(ClusterConfig(nodes=nodes, gpus_per_node=per_node), False, gpus=gpus, one_host=True)
     msg = str(e.value)
-    assert f"need {nodes * per_node} GPUs" in msg and f"but {gpus} " in msg and "\n" not in msg
+    assert f"{nodes * per_node} GPUs" in msg and f"but {gpus} " in msg and "\n" not in msg
     assert "train.device = 'cpu'" in msg and "cluster.nodes" in msg and "emulate_compute_s" in msg
 
 
 def test_gpus_per_node_above_the_hosts_gpus_fails_under_torchrun_or_slurm():
-    with pytest.raises(PlanError, match="cluster.gpus_per_node = 4 need 4 GPUs but 2 are visible"):
+    with pytest.raises(PlanError, match="cluster.gpus_per_node = 4 needs 4 GPUs on each node but 2 are visible"):
         make_plan(ClusterConfig(nodes=2, gpus_per_node=4), False, gpus=2)
 
 

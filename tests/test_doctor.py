@@ -29,7 +29,7 @@ def cuda_torch(n):
 
 
 def cfg(*overrides):
-    return load_config(RECIPES / "digits.toml", list(overrides))
+    return load_config(RECIPES / "digits.toml", ["train.device=auto", *overrides])
 
 
 def warnings(rep):
@@ -59,25 +59,25 @@ def test_a_missing_recipe_is_one_line_and_status_2(capsys):
 
 def test_cpu_build_in_a_gpu_allocation_names_the_fix():
     rep = doctor.report(CPU_TORCH, ALLOCATION, IFACES, HOST, cfg("train.device=auto"))
-    assert warnings(rep) == [("torch 2.13.0+cpu is a CPU build but this allocation has 4 GPUs: install a CUDA build "
-                              "of torch, or set train.device = cpu", False)]
-    # Asked for CUDA outright, the job fails: exit status 1.
+    assert warnings(rep) == [("this Slurm allocation gives the node 4 GPUs but torch 2.13.0+cpu is a CPU build: "
+                              "install a CUDA build of torch in the job's environment, or set train.device = 'cpu'",
+                              True)]  # the job's processes refuse it (device.resolve): exit status 1
     assert warnings(doctor.report(CPU_TORCH, ALLOCATION, IFACES, HOST, cfg("train.device=cuda")))[0][1] is True
     assert not doctor.report(CPU_TORCH, ALLOCATION, IFACES, HOST, cfg("train.device=cpu"))["warnings"]
-    assert doctor.human(rep).splitlines()[-1].startswith("warning: torch 2.13.0+cpu is a CPU build")
+    assert doctor.human(rep).splitlines()[-1].startswith("warning: this Slurm allocation gives the node 4 GPUs")
 
 
 def test_more_gpus_per_node_than_visible_names_both_numbers():
     rep = doctor.report(cuda_torch(2), {}, IFACES, HOST, cfg("cluster.gpus_per_node=4"))
     (text, fails), = warnings(rep)
-    assert "cluster.gpus_per_node = 4 but 2 GPUs are visible" in text and fails
+    assert "cluster.gpus_per_node = 4 needs 4 GPUs on each node but 2 are visible" in text and fails
     assert rep["summary"].startswith("this machine: 2 GPUs visible (NVIDIA H100 80GB HBM3), CUDA 12.6 build")
     assert not doctor.report(cuda_torch(4), {}, IFACES, HOST, cfg("cluster.gpus_per_node=4"))["warnings"]
 
 
 def test_bf16_on_a_cpu_is_said():
     (text, fails), = warnings(doctor.report(CPU_TORCH, {}, IFACES, HOST, cfg("train.precision=bf16")))
-    assert text.startswith("train.precision = bf16 takes effect on CUDA only") and not fails
+    assert text.startswith("train.precision = bf16: bf16 autocast runs on CUDA only") and not fails
     assert not doctor.report(cuda_torch(1), {}, IFACES, HOST, cfg("train.precision=bf16"))["warnings"]
 
 

@@ -30,10 +30,15 @@ def slurm_gpus(env=os.environ) -> int:
     if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
         return int(env["SLURM_GPUS_ON_NODE"])
     ids = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or ""
-    return len([i for i in ids.split(",") if i.strip()])
+    count = 0
+    for part in (i.strip() for i in ids.split(",") if i.strip()):  # "0,1" or "0-3"
+        lo, _, hi = part.partition("-")
+        count += int(hi) - int(lo) + 1 if hi.isdigit() and lo.isdigit() else 1
+    return count
 
 
 def facts(env=os.environ) -> Facts:
+    """This process's facts."""
     import torch
 
     # device_count() is 0 on a CPU build and on a CUDA build with no driver; it does not create a context.

@@ -5,12 +5,13 @@ Slurm allocation, cores and memory; with a recipe, each setting that would not t
 would fail here, as one line each. `gather` reads the real facts; everything else is a pure
 function of them (environment, torch facts, interfaces, host), so made-up GPU clusters test it.
 
-Exit status 1 when a warning says the job would fail as configured: train.device = cuda with no
-GPU visible (also on a CPU build), cluster.gpus_per_node above the GPUs visible, a plan that
+Exit status 1 when a warning says the job would fail as configured: a device its processes would
+refuse (device.resolve: train.device = cuda with no GPU, a CPU torch in a GPU allocation),
+cluster.gpus_per_node above the GPUs visible (plan.gpu_map), a plan that
 cannot be placed or needs more nodes or CPUs than the allocation has (srun refuses the step),
 cluster.ifname not on this host, data.root / data.test_root / model.init_from not found.
-The others (a CPU build or no GPU under train.device = auto, bf16 or channels_last on a CPU)
-leave a job that runs, only not as meant.
+The others (bf16 or channels_last on a CPU: device.not_applied) leave a job that runs, only not
+as meant.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import warnings as pywarnings
 from pathlib import Path
 
 from .config import ROOTS, Config
+from .device import Facts, not_applied, resolve, slurm_gpus
 from .errors import LaunchError, PlanError
 from .launch import fabric
 from .launch.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_for
@@ -87,10 +89,7 @@ def slurm_facts(env: dict, host: dict) -> dict:
     except LaunchError:
         out["nodes"] = []
     out["node"] = env.get("SLURMD_NODENAME") or host["name"].split(".")[0]  # an salloc shell has no SLURMD_*
-    if (out["gpus_on_node"] or "").isdigit():
-        out["gpus"] = int(out["gpus_on_node"])
-    else:  # older Slurm: only the indices, "0,1,2,3"
-        out["gpus"] = len([g for g in (out["step_gpus"] or out["job_gpus"] or "").split(",") if g])
+    out["gpus"] = slurm_gpus(env)
     return out
 
 
@@ -117,35 +116,24 @@ def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tu
 
 
 def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
-           exists=os.path.exists) -> list[dict]:
+           exists=os.path.exists, env=os.environ) -> list[dict]:
     """Each mismatch between the config and this machine: {"text": one line, "fails": would the job fail}."""
     out = []
 
     def warn(text: str, fails: bool = False) -> None:
         out.append({"text": text, "fails": fails})
 
-    device = cfg.train.device if cfg else "auto"
-    visible, cpu_build = len(tf["gpus"]), tf["cuda"] is None and tf["hip"] is None
-    if device != "cpu" and cpu_build and slurm["gpus"]:
-        warn(f"torch {tf['version']} is a CPU build but this allocation has {slurm['gpus']} GPUs: install a CUDA "
-             "build of torch, or set train.device = cpu", fails=device == "cuda")
-    elif device == "cuda" and not visible:
-        warn("train.device = cuda but no GPU is visible" + (f" ({tf['error']})" if tf["error"] else "")
-             + ("; torch is a CPU build" if cpu_build else "") + ": use train.device = auto or cpu", fails=True)
-    elif device == "auto" and slurm["gpus"] and not visible:
-        warn(f"this allocation has {slurm['gpus']} GPUs but torch sees none"
-             + (f" ({tf['error']})" if tf["error"] else "") + ": the job would run on the CPU")
+    here = Facts(len(tf["gpus"]), tf["cuda"], tf["version"], slurm["gpus"] or 0)
+    want = cfg.train.device if cfg else "auto"
+    try:
+        kind = resolve(want, here)  # the one decision a job's processes make (device.py)
+    except PlanError as e:
+        warn(str(e), fails=True)
+        kind = "cpu"
     if cfg is None:
         return out
-    t, c = cfg.train, cfg.cluster
-    if device != "cpu" and 0 < visible < c.gpus_per_node:
-        warn(f"cluster.gpus_per_node = {c.gpus_per_node} but {visible} GPU{'s are' if visible > 1 else ' is'} "
-             f"visible here: set cluster.gpus_per_node = {visible}, or ask for {c.gpus_per_node} GPUs a node",
-             fails=True)
-    if device == "cpu" or not visible:
-        for key, on in (("precision = bf16", t.precision == "bf16"), ("channels_last = true", t.channels_last)):
-            if on:
-                warn(f"train.{key} takes effect on CUDA only; this job would run on the CPU without it")
+    for key, why in not_applied(cfg, kind).items():
+        warn(f"{key} = {why}: not applied")
     if net_error:
         warn(net_error, fails=True)
     for key, path in (("data.root", cfg.data.root if cfg.data.name in ROOTS else ""),
@@ -154,7 +142,7 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
         if path and not exists(path):
             warn(f"{key} = {path!r}: not found from {os.getcwd()}", fails=True)
     try:
-        plan = plan_for(cfg)
+        plan = plan_for(cfg, here, env) if kind == "cuda" else plan_for(cfg)  # this host's GPUs, as a worker checks
     except PlanError as e:
         warn(str(e), fails=True)
         return out
@@ -170,7 +158,7 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
         have = int(slurm["cpus_on_node"]) if (slurm["cpus_on_node"] or "").isdigit() else None
         if procs and have is not None and procs * each > have:
             warn(f"the plan runs {procs} processes on {slurm['node']}, {each} CPUs each (data.workers = "
-                 f"{cfg.data.workers} loaders + {max(1, t.threads)} thread{'s' if t.threads > 1 else ''}): "
+                 f"{cfg.data.workers} loaders + {max(1, cfg.train.threads)} thread{'s' if cfg.train.threads > 1 else ''}): "
                  f"{procs * each} CPUs, but Slurm gave this job {have} here: lower data.workers or ask for more CPUs",
                  fails=True)
     return out
@@ -192,7 +180,7 @@ def report(tf: dict, env: dict, ifaces: dict, host: dict, cfg: Config | None = N
             "gpus": {"visible": gpus, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES")},
             "network": net, "slurm": slurm,
             "host": {k: host[k] for k in ("name", "cpu_count", "affinity", "memory_bytes", "memory_available_bytes")},
-            "warnings": checks(cfg, tf, slurm, net_error, exists)}
+            "warnings": checks(cfg, tf, slurm, net_error, exists, env)}
 
 
 def _cudnn(v: int) -> str:

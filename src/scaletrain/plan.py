@@ -132,9 +132,9 @@ def gpu_map(nodes: int, per_node: int, gpus: int, one_host: bool, share: bool) -
     between GPUs, cluster.backend = 'gloo'): replicas may share GPUs, assigned round-robin."""
     on_host = nodes * per_node if one_host else per_node
     if on_host > gpus and not share:
-        where = f"{nodes} emulated nodes x {per_node} replicas on this machine" if one_host and nodes > 1 else \
-            f"cluster.gpus_per_node = {per_node}"
-        raise PlanError(f"{where} need {on_host} GPUs but {gpus} {'is' if gpus == 1 else 'are'} visible here: "
+        need = f"{nodes} emulated nodes x {per_node} replicas on this machine need {on_host} GPUs" \
+            if one_host and nodes > 1 else f"cluster.gpus_per_node = {per_node} needs {per_node} GPUs on each node"
+        raise PlanError(f"{need} but {gpus} {'is' if gpus == 1 else 'are'} visible here: "
                         f"use fewer cluster.nodes or cluster.gpus_per_node, train.device = 'cpu' (also with "
                         "train.emulate_compute_s), or cluster.backend = 'gloo' to let replicas share GPUs")
     return [(w if one_host else w % per_node) % gpus for w in range(nodes * per_node)]

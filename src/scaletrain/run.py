@@ -47,10 +47,11 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
     plan_node: under torchrun, this agent's node index in the plan.
     """
+    from .device import facts
     from .train import prepare_run_dir, train
 
     # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
-    launch_env.plan_for(cfg, probe_gpu=not launch_env.in_slurm_allocation())
+    launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())
     if not cfg.distributed:
         return train(cfg, run_dir, resume=resume, progress=progress)
     resume = prepare_run_dir(run_dir, resume, cfg)

@@ -21,6 +21,7 @@ import torch
 from .. import dist as sdist
 from .. import stats
 from ..errors import USER_ERRORS, PlanError, Stopped
+from ..device import facts
 from ..config import load_config
 from ..ps.server import run_shard
 from ..train import train
@@ -34,7 +35,7 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         plan = launch_env.plan_for(cfg)
         seat = launch_env.seat(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
         if plan.procs[seat.rank].role == "worker":  # its GPUs, on this host (a PS uses none: its host may have none)
-            plan = launch_env.plan_for(cfg, probe_gpu=True)
+            plan = launch_env.plan_for(cfg, facts())
     except (LaunchError, PlanError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..device import facts, gpus_for_plan
+from ..device import Facts, gpus_for_plan
 from ..errors import LaunchError
 from ..plan import PlanError, Plan, make_plan, node_name
 
@@ -36,12 +36,13 @@ class Seat:
     launcher: str  # "local" | "torchrun" | "slurm"
 
 
-def plan_for(cfg, probe_gpu: bool = False) -> Plan:
-    """The job's plan. Without probe_gpu, workers are placed on gpus_per_node GPUs of each host
-    unless train.device = "cpu" (what `scaletrain plan` and the sbatch script show); with it (a
-    process about to run, or the local launcher before it starts them), on the GPUs this host
-    has, every node of the plan on this host unless torchrun or srun started this process.
-    Raises PlanError when the host cannot give what the config asks (device.py, plan.gpu_map)."""
+def plan_for(cfg, here: Facts | None = None, env=os.environ) -> Plan:
+    """The job's plan. Without `here`, workers are placed on gpus_per_node GPUs of each host
+    unless train.device = "cpu" (the layout `scaletrain plan` and the sbatch script show). With
+    the facts of this host (device.facts(): a worker about to run, the local launcher before it
+    starts them, `scaletrain doctor`), on the GPUs it has, every node of the plan on this host
+    unless torchrun started this process or it runs in a Slurm allocation (a node each). Raises PlanError when the host cannot give
+    what the config asks (device.resolve, plan.gpu_map)."""
     from ..strategies import entry
 
     c = cfg.cluster
@@ -49,8 +50,8 @@ def plan_for(cfg, probe_gpu: bool = False) -> Plan:
         raise PlanError(f"cluster.min_nodes = {c.min_nodes} below cluster.nodes = {c.nodes}: a restart on fewer "
                         f"nodes is not defined for strategy.name = {cfg.strategy.name!r} (its parameter servers' "
                         "updates are tied to the node count); use 'allreduce' or leave min_nodes at 0")
-    if probe_gpu:
-        gpus, one_host = gpus_for_plan(cfg.train.device, facts()), not (in_torchrun() or in_slurm_step())
+    if here is not None:
+        gpus, one_host = gpus_for_plan(cfg.train.device, here), not (in_torchrun(env) or in_slurm_allocation(env))
     else:
         gpus, one_host = (0 if cfg.train.device == "cpu" else c.gpus_per_node), False
     return make_plan(c, entry(cfg).uses_ps, gpus, one_host)

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..device import facts
 from ..config import Config, dump_toml
 from ..dist import EXIT_PEER
 from ..errors import EXIT_STOPPED
@@ -79,7 +80,7 @@ def _die_with_parent() -> None:
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
-    plan = plan_for(cfg, probe_gpu=True)
+    plan = plan_for(cfg, facts())
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:
         check_port(addr, cfg.cluster.master_port)
