@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test install slurm clean
+.PHONY: demo test unit install slurm clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,13 @@ slurm:
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The quick target: tests of pure logic that start no job (plan, config, devices, sharding, optimizers,
+# models, doctor), under a minute; `make test` runs everything.
+UNIT := tests/test_plan.py tests/test_config.py tests/test_device.py tests/test_fabric.py tests/test_sharding.py \
+        tests/test_optim.py tests/test_models.py tests/test_doctor.py
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q $(UNIT) -k "not two_node"
 
 clean:
 	rm -rf $(VENV) runs
