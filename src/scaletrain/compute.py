@@ -19,6 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
+from . import metrics
 from .optim import decayed, loss_fn
 
 # Small enough that SGD and RMSProp stay finite over millions of steps of the same gradient.
@@ -83,7 +84,7 @@ class Emulated:
     same every step on every replica (drawn once from train.seed), so all strategies and runs agree."""
 
     def __init__(self, cfg, model: torch.nn.Module, device: torch.device) -> None:
-        self.seconds, self.images = cfg.train.emulate_compute_s, cfg.data.batch_size
+        self.seconds, self.images, self.device = cfg.train.emulate_compute_s, cfg.data.batch_size, device
         gen = torch.Generator().manual_seed(cfg.train.seed)
         self.params = list(model.parameters())
         # Memory: one more copy of the parameters.
@@ -95,6 +96,11 @@ class Emulated:
         return self.images
 
     def __call__(self, images: int) -> tuple[torch.Tensor, int]:
+        # Host-device sync: the previous step's all-reduce and optimizer, still queued on a GPU, finish
+        # before the sleep stands for this step's forward and backward; else they would run during it
+        # and the emulated GPU would hide them, which a real one, busy computing, cannot. Cost: the
+        # host waits for them once a step, as a real step's first kernels would.
+        metrics.sync(self.device)
         time.sleep(self.seconds)  # the GPU's forward and backward; the host is free meanwhile
         for p, g in zip(self.params, self.grads):
             if p.grad is None:

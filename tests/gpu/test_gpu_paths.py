@@ -1,0 +1,34 @@
+"""What only a GPU shows of the device paths: queued work, the device's clock, pinned host memory,
+mixed precision and CUDA random states. Their logic is tested on a CPU in tests/test_device_paths.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain import compute
+from scaletrain.compute import Emulated
+from scaletrain.config import load_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SPIN = 1 << 30  # cycles of torch.cuda._sleep: a kernel that keeps the GPU busy for some hundred ms
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def test_emulated_sleep_does_not_hide_queued_work(monkeypatch):
+    """The previous step's work, still queued when the emulated step starts, has finished when the
+    sleep that stands for this step's compute begins."""
+    cfg = load_config(None, ["train.emulate_compute_s=0.01"])
+    work = Emulated(cfg, torch.nn.Linear(3, 2).to(device()), device())
+    torch.cuda._sleep(SPIN)
+    queued = torch.cuda.Event()
+    queued.record()
+    assert not queued.query()  # still running: there is work the sleep could hide
+    done_at_sleep, real_sleep = [], compute.time.sleep
+    monkeypatch.setattr(compute.time, "sleep", lambda s: (done_at_sleep.append(queued.query()), real_sleep(s))[1])
+    work(work.fetch())
+    assert done_at_sleep == [True]
