@@ -3,11 +3,86 @@ gloo (DDP's gradient buckets, the emulated GPU's order of sync and sleep)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from scaletrain import compute, metrics
-from scaletrain.compute import Emulated
+from scaletrain.compute import Emulated, grads_to_none
 from scaletrain.config import load_config
+
+# Two gloo processes train a small model under DDP with gradient_as_bucket_view (as the strategies
+# build it) through Backprop. A hook that runs when autograd has accumulated a parameter's gradient
+# (before DDP's own hook) records where the gradient lies: in DDP's bucket view, or in a fresh
+# tensor that DDP must copy into the bucket. Phase "kept" is Backprop as built; phase "dropped"
+# forces zero_grad(set_to_none=True), which shows that the hook tells the two apart.
+DDP_SCRIPT = r'''
+import json, sys, datetime
+import torch, torch.distributed as tdist
+from scaletrain.compute import Backprop, grads_to_none
+from scaletrain.config import load_config
+from scaletrain.strategies.allreduce import data_parallel
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                         timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+ddp = data_parallel(model, None)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+gen = torch.Generator().manual_seed(rank)
+batches = [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(8)]
+work = Backprop(load_config(None), ddp, opt, batches, lambda b: b, torch.device("cpu"))
+seen = {}
+for i, p in enumerate(model.parameters()):
+    p.register_post_accumulate_grad_hook(lambda p, i=i: seen.__setitem__(i, p.grad.data_ptr()))
+res = {"to_none": work.to_none, "compiled_to_none": grads_to_none(torch.compile(ddp))}
+for _ in range(2):  # the first backward makes the gradients DDP's bucket views; DDP then rebuilds its
+    work(work.fetch()); opt.step()  # buckets in the order the gradients came, and the second moves them there
+views = [p.grad.data_ptr() for p in model.parameters()]
+res["one_storage"] = len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+for phase in ("kept", "dropped"):
+    if phase == "dropped":
+        work.to_none = True
+    res[phase] = []
+    for _ in range(3):
+        work(work.fetch()); opt.step()
+        res[phase].append([seen[i] == v for i, v in enumerate(views)])
+    res[phase + "_after"] = [p.grad.data_ptr() for p in model.parameters()] == views
+json.dump(res, open(f"{out}/ddp{rank}.json", "w"))
+tdist.destroy_process_group()
+'''
+
+
+def test_ddp_gradients_stay_views_of_its_buckets(tmp_path):
+    from scaletrain.launch.local import free_port
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    port = str(free_port("127.0.0.1"))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    for r in range(2):
+        res = json.loads((tmp_path / f"ddp{r}.json").read_text())
+        assert res["to_none"] is False and res["compiled_to_none"] is False and res["one_storage"]
+        # zeroed in place: backward accumulates into the bucket every step
+        assert all(all(step) for step in res["kept"]), res["kept"]
+        # dropped: every step's gradients are fresh tensors, which DDP copies and points back at its views
+        assert not any(any(step) for step in res["dropped"]), res["dropped"]
+        assert res["kept_after"] and res["dropped_after"]
+
+
+def test_grads_are_dropped_where_nothing_keeps_views_of_them():
+    model = torch.nn.Linear(3, 2)
+    assert grads_to_none(model) and grads_to_none(torch.compile(model))
+
 
 def test_emulated_gpu_syncs_before_it_sleeps(monkeypatch):
     """The previous step's queued work finishes before the sleep that stands for this step's compute

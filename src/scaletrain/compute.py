@@ -18,6 +18,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from . import metrics
 from .optim import decayed, loss_fn
@@ -49,6 +50,16 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_ALLOC_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
+def grads_to_none(module: torch.nn.Module) -> bool:
+    """Whether zero_grad may drop the gradients (set_to_none) before each backward: not under a
+    DistributedDataParallel whose gradients are views of its all-reduce buckets
+    (gradient_as_bucket_view). Dropped, they cost a fresh allocation per parameter in every backward
+    and a copy of each into its bucket, where DDP points .grad back at its view; zeroed in place,
+    backward accumulates into the bucket itself. Elsewhere dropping them saves that zeroing."""
+    inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper holds the module it compiles
+    return not (isinstance(inner, DistributedDataParallel) and inner.gradient_as_bucket_view)
+
+
 class Backprop:
     """Forward and backward of each batch the loader gives."""
 
@@ -57,6 +68,7 @@ class Backprop:
         self.model, self.optimizer, self.usable = model, optimizer, usable
         self.batches = iter(loader)
         self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
+        self.to_none = grads_to_none(model)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
 
@@ -70,7 +82,7 @@ class Backprop:
         x, y = batch
         with self.autocast:
             loss = loss_fn(self.model(x).float(), y, self.wd_params, self.weight_decay)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.to_none)
         loss.backward()
         return loss.detach(), len(y)
 
