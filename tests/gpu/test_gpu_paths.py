@@ -9,6 +9,8 @@ import torch
 from scaletrain import compute
 from scaletrain.compute import Emulated
 from scaletrain.config import load_config
+from scaletrain.metrics import DeviceTimer
+from scaletrain.strategies.base import Counters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,3 +34,28 @@ def test_emulated_sleep_does_not_hide_queued_work(monkeypatch):
     monkeypatch.setattr(compute.time, "sleep", lambda s: (done_at_sleep.append(queued.query()), real_sleep(s))[1])
     work(work.fetch())
     assert done_at_sleep == [True]
+
+
+def test_communication_timer_counts_queued_work_and_syncs_only_when_read():
+    """A collective on a GPU returns once queued: the timer's events hold its work on the stream,
+    the block does not wait for it, and reading the timer (a log point) does."""
+    counters = Counters(device())
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with counters.timed("comm_s"):
+        a.record()
+        torch.cuda._sleep(SPIN)  # stands for a queued NCCL collective
+        b.record()
+    assert not b.query()  # no sync in the timed block
+    seconds = counters.comm_s
+    assert b.query()
+    assert seconds >= a.elapsed_time(b) / 1e3  # the timer's interval holds the work's
+
+
+def test_device_timer_folds_what_has_passed_without_a_sync():
+    timer, x = DeviceTimer(device()), torch.zeros(1, device=device())
+    for _ in range(50):
+        with timer.timing():
+            x.add_(1)
+        torch.cuda.synchronize()  # the test's, so that every interval has passed
+    assert len(timer.pending) <= 1  # read as new ones start: the list stays short between log points
+    assert timer.seconds() > 0 and not timer.pending
