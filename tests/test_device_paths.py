@@ -1,5 +1,6 @@
-"""Device paths whose logic runs on a CPU: the choices the GPU paths make, and what they keep on
-gloo (DDP's gradient buckets, the emulated GPU's order of sync and sleep)."""
+"""Device paths whose logic runs on a CPU: the choices the GPU paths make (autocast, pinned host
+copies, CUDA random states), and what they keep on gloo (DDP's gradient buckets, the emulated GPU's
+order of sync and sleep). What only a GPU shows is in tests/gpu/test_gpu_paths.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import torch
 
-from scaletrain import compute, metrics
+from scaletrain import checkpoint, compute, metrics
 from scaletrain.compute import Emulated, grads_to_none
 from scaletrain.config import load_config
+from scaletrain.metrics import pinned
+from scaletrain.perfmodel.calibrate import copy_buffers, measure_copy
 
 # Two gloo processes train a small model under DDP with gradient_as_bucket_view (as the strategies
 # build it) through Backprop. A hook that runs when autograd has accumulated a parameter's gradient
@@ -95,3 +98,16 @@ def test_emulated_gpu_syncs_before_it_sleeps(monkeypatch):
     work = Emulated(cfg, torch.nn.Linear(3, 2), torch.device("cpu"))
     work(work.fetch())
     assert calls == [("sync", torch.device("cpu")), ("sleep", 0.01)]
+
+
+def test_host_copies_pinned_from_gpus_only():
+    assert pinned(torch.device("cuda", 0)) and pinned(torch.device("cuda", 7))
+    assert not pinned(torch.device("cpu"))
+    state = {"model": {"w": torch.ones(3)}, "steps": [torch.tensor(2)]}
+    snap = checkpoint.snapshot(state)
+    state["model"]["w"].add_(1)
+    assert snap["model"]["w"].tolist() == [1.0] * 3 and not snap["model"]["w"].is_pinned()
+    _, dst = copy_buffers(10, torch.device("cpu"))
+    assert not dst.is_pinned()
+    assert measure_copy(1000, torch.device("cpu")) > 0
+

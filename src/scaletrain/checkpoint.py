@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .metrics import pinned, sync
 
 log = logging.getLogger("scaletrain")
 PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
@@ -111,14 +112,34 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
 
 def snapshot(obj: Any) -> Any:
     """A copy of a state on the CPU that later training steps cannot change (they update the
-    model's and the optimizer's tensors in place)."""
+    model's and the optimizer's tensors in place). From a GPU every tensor is copied into
+    page-locked memory, queued, and the device is waited for once: one wait instead of one per
+    tensor (metrics.pinned). Freed page-locked blocks stay cached by torch for the next checkpoint:
+    host memory of the state's size, kept for the run."""
+    devices: set[torch.device] = set()
+    out = _copied(obj, devices)
+    for d in devices:
+        sync(d)  # host-device sync, once a checkpoint: the copies are whole before the writer thread reads them
+    return out
+
+
+def _copied(obj: Any, devices: set) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return to_host(obj, devices)
     if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
+        return {k: _copied(v, devices) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(snapshot(v) for v in obj)
+        return type(obj)(_copied(v, devices) for v in obj)
     return obj
+
+
+def to_host(t: torch.Tensor, devices: set) -> torch.Tensor:
+    """A host copy of `t`; from a device whose copies are queued (metrics.pinned), adds it to
+    `devices`, which the caller syncs before reading the copy."""
+    if not pinned(t.device):
+        return t.detach().to("cpu", copy=True)
+    devices.add(t.device)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True)
 
 
 class Writer:

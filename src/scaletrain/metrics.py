@@ -53,6 +53,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def pinned(device: torch.device) -> bool:
+    """Whether host copies of `device`'s tensors go through page-locked memory, queued (non_blocking)
+    and waited for once: from a GPU, which then copies without a staging copy through pageable memory
+    and without holding the host per tensor. Page-locked memory cannot be swapped out, so not for
+    host tensors, which need no such copy."""
+    return device.type == "cuda"
+
+
 class DeviceTimer:
     """Seconds of a replica's work of one kind (compute, communication), summed over steps, with no
     host-device sync per step.

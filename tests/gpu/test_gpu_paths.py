@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain import compute
+from scaletrain import checkpoint, compute
 from scaletrain.compute import Emulated
 from scaletrain.config import load_config
 from scaletrain.metrics import DeviceTimer
+from scaletrain.perfmodel.calibrate import copy_buffers
 from scaletrain.strategies.base import Counters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -59,3 +60,19 @@ def test_device_timer_folds_what_has_passed_without_a_sync():
         torch.cuda.synchronize()  # the test's, so that every interval has passed
     assert len(timer.pending) <= 1  # read as new ones start: the list stays short between log points
     assert timer.seconds() > 0 and not timer.pending
+
+
+def test_checkpoint_snapshot_is_pinned_and_whole_when_it_returns():
+    """Copies queued behind other work: snapshot's one sync makes them whole before the writer reads."""
+    w = torch.zeros(1 << 20, device=device())
+    torch.cuda._sleep(SPIN)
+    w.fill_(7.0)  # queued behind the spin: the copy must wait for it
+    snap = checkpoint.snapshot({"model": {"w": w}, "step": 3})
+    w.fill_(0.0)  # a later training step
+    assert snap["step"] == 3 and snap["model"]["w"].device.type == "cpu" and snap["model"]["w"].is_pinned()
+    assert bool((snap["model"]["w"] == 7.0).all())
+
+
+def test_calibrated_copy_is_into_pinned_memory_as_the_push_is():
+    src, dst = copy_buffers(1000, device())
+    assert src.device.type == "cuda" and dst.is_pinned()
