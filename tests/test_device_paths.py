@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 
 from scaletrain import checkpoint, compute, metrics
-from scaletrain.compute import Emulated, grads_to_none
+from scaletrain.compute import Emulated, autocast_dtype, grads_to_none
 from scaletrain.config import load_config
 from scaletrain.metrics import pinned
 from scaletrain.perfmodel.calibrate import copy_buffers, measure_copy
+from scaletrain.replicas import evaluate
 
 # Two gloo processes train a small model under DDP with gradient_as_bucket_view (as the strategies
 # build it) through Backprop. A hook that runs when autograd has accumulated a parameter's gradient
@@ -100,6 +101,35 @@ def test_emulated_gpu_syncs_before_it_sleeps(monkeypatch):
     assert calls == [("sync", torch.device("cpu")), ("sleep", 0.01)]
 
 
+class Recorder(torch.nn.Module):
+    """A linear layer that records the type its forward autocasts to (None: no autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(4, 3), []
+
+    def forward(self, x):
+        kind = x.device.type
+        self.seen.append(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+        return self.lin(x)
+
+
+def test_autocast_follows_precision_on_cuda_only():
+    for dev in ("cuda:0", "cuda:3"):
+        assert autocast_dtype("bf16", torch.device(dev)) == torch.bfloat16
+        assert autocast_dtype("fp32", torch.device(dev)) is None
+    assert autocast_dtype("bf16", torch.device("cpu")) is None  # documented: autocast on CUDA only
+
+
+def test_evaluation_runs_at_the_training_precision_on_cpu():
+    model, cpu = Recorder(), torch.device("cpu")
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
+    for precision in ("fp32", "bf16"):
+        res = evaluate(model, batches, cpu, lambda b: b, None, 1, precision)
+        assert res["test_images"] == 5
+    assert model.seen == [None, None]
+
+
 def test_host_copies_pinned_from_gpus_only():
     assert pinned(torch.device("cuda", 0)) and pinned(torch.device("cuda", 7))
     assert not pinned(torch.device("cpu"))
@@ -111,3 +141,15 @@ def test_host_copies_pinned_from_gpus_only():
     assert not dst.is_pinned()
     assert measure_copy(1000, torch.device("cpu")) > 0
 
+
+def test_evaluation_autocasts_as_training_does(monkeypatch):
+    """Where the choice says bf16 (here made to say so for this CPU, whose autocast runs), training's
+    forward and evaluation's both run under it."""
+    monkeypatch.setattr(compute, "autocast_dtype", lambda precision, device: torch.bfloat16)
+    model, cpu = Recorder(), torch.device("cpu")
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
+    cfg = load_config(None, ["train.precision=bf16", "optim.weight_decay=0"])
+    work = compute.Backprop(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), batches, lambda b: b, cpu)
+    work(work.fetch())
+    evaluate(model, batches, cpu, lambda b: b, None, 1, "bf16")
+    assert model.seen == [torch.bfloat16, torch.bfloat16]

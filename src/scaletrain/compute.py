@@ -50,6 +50,18 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_ALLOC_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The type forward passes autocast to at train.precision: bfloat16 for bf16 on CUDA; None (fp32)
+    elsewhere, as the key documents (autocast on CUDA only)."""
+    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+
+
+def autocast(precision: str, device: torch.device):
+    """The context a forward pass runs in, training and evaluation alike."""
+    dtype = autocast_dtype(precision, device)
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
 def grads_to_none(module: torch.nn.Module) -> bool:
     """Whether zero_grad may drop the gradients (set_to_none) before each backward: not under a
     DistributedDataParallel whose gradients are views of its all-reduce buckets
@@ -69,8 +81,7 @@ class Backprop:
         self.batches = iter(loader)
         self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
         self.to_none = grads_to_none(model)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                         if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
+        self.autocast = autocast(cfg.train.precision, device)
 
     def fetch(self):
         """The next batch on the device as (x, y); None when none of its images could be read."""

@@ -11,6 +11,7 @@ from scaletrain.compute import Emulated
 from scaletrain.config import load_config
 from scaletrain.metrics import DeviceTimer
 from scaletrain.perfmodel.calibrate import copy_buffers
+from scaletrain.replicas import evaluate
 from scaletrain.strategies.base import Counters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -60,6 +61,26 @@ def test_device_timer_folds_what_has_passed_without_a_sync():
         torch.cuda.synchronize()  # the test's, so that every interval has passed
     assert len(timer.pending) <= 1  # read as new ones start: the list stays short between log points
     assert timer.seconds() > 0 and not timer.pending
+
+
+class Recorder(torch.nn.Module):
+    """A linear layer that records the type its forward autocasts to (None: no autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(4, 3), []
+
+    def forward(self, x):
+        self.seen.append(torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+        return self.lin(x)
+
+
+def test_evaluation_autocasts_under_bf16():
+    model = Recorder().to(device())
+    batches = [(torch.randn(5, 4, device=device()), torch.randint(0, 3, (5,), device=device()))]
+    for precision in ("bf16", "fp32"):
+        assert evaluate(model, batches, device(), lambda b: b, None, 1, precision)["test_images"] == 5
+    assert model.seen == [torch.bfloat16, None]
 
 
 def test_checkpoint_snapshot_is_pinned_and_whole_when_it_returns():
