@@ -313,16 +313,38 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 
 def rng_state() -> dict[str, Any]:
+    """The random states a resumed job continues from: the host's, and where this process computes
+    on a GPU (CUDA is initialised), that device's alone. Every visible GPU's, as saved before, could
+    not be restored where fewer are visible, and querying them set up a CUDA context on each."""
     st = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return st
 
 
 def set_rng_state(st: dict[str, Any]) -> None:
+    """Restore the chief's random states in this process: the host's, and on this process's GPU the
+    chief's GPU state (cuda_rng_for)."""
     torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    if "cuda" not in st or not torch.cuda.is_initialized():
+        return  # this process computes on no GPU: no CUDA random state to restore
+    index = torch.cuda.current_device()
+    state = cuda_rng_for(st["cuda"], index)
+    if state is None:
+        log.warning("the checkpoint holds the CUDA random states of %d GPUs, none for cuda:%d: its random state "
+                    "is not restored, so random operations on it do not repeat those of an uninterrupted run",
+                    len(st["cuda"]), index)
+        return
+    torch.cuda.set_rng_state(state, index)
+
+
+def cuda_rng_for(saved: torch.Tensor | list[torch.Tensor], index: int) -> torch.Tensor | None:
+    """The CUDA random state that this process's device (`index`) continues from: the one saved
+    (the chief's device's); from a checkpoint that saved every GPU the chief saw (a list), the
+    entry of this index, as restoring them all gave this device; None where the list has none."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return saved[index] if index < len(saved) else None
 
 
 @dataclass

@@ -97,3 +97,15 @@ def test_checkpoint_snapshot_is_pinned_and_whole_when_it_returns():
 def test_calibrated_copy_is_into_pinned_memory_as_the_push_is():
     src, dst = copy_buffers(1000, device())
     assert src.device.type == "cuda" and dst.is_pinned()
+
+
+def test_cuda_random_state_of_this_device_round_trips():
+    torch.cuda.manual_seed(1)
+    st = checkpoint.rng_state()
+    assert isinstance(st["cuda"], torch.Tensor)  # this device's state alone
+    drawn = torch.rand(4, device=device())
+    checkpoint.set_rng_state(st)
+    assert torch.equal(torch.rand(4, device=device()), drawn)
+    # a checkpoint written before: a state for every GPU the chief saw, more than are visible here
+    checkpoint.set_rng_state({"torch": st["torch"], "cuda": [st["cuda"]] * (torch.cuda.device_count() + 3)})
+    assert torch.equal(torch.rand(4, device=device()), drawn)
