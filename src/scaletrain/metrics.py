@@ -111,7 +111,7 @@ class DeviceTimer:
             a, b = self.pending[0]
             if done_only and not b.query():
                 return
-            b.synchronize()  # returns at once where the query said it has passed
+            b.synchronize()  # host-device sync from seconds() (log points); at once after a query said done
             self.total += a.elapsed_time(b) / 1e3
             self.pending.popleft()
 

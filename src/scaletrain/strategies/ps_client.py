@@ -63,8 +63,8 @@ class PSClient(Strategy):
         return self.ddp or self.model
 
     def step(self, lr: float) -> Tick:
-        # No sync here for the clocks: they are the device's events (Counters), which start where the
-        # stream reaches them; the push syncs once its payloads are queued, as it needs them on the host.
+        # The clocks are the device's events (Counters): they need no sync here, starting where the
+        # stream reaches them. The push syncs once its payloads are queued, as it needs them on the host.
         grads = self.grads()
         if self.ddp is not None:  # averaged in backward
             count_ring(self.counters, self.group_size, self.numel * grads[0].element_size(), "intra_s")
