@@ -18,7 +18,9 @@ import time
 from contextlib import nullcontext
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from . import metrics
 from .optim import decayed, loss_fn
 
 # Small enough that SGD and RMSProp stay finite over millions of steps of the same gradient.
@@ -48,6 +50,28 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_ALLOC_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The type forward passes autocast to at train.precision: bfloat16 for bf16 on CUDA; None (fp32)
+    elsewhere, as the key documents (autocast on CUDA only)."""
+    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+
+
+def autocast(precision: str, device: torch.device):
+    """The context a forward pass runs in, training and evaluation alike."""
+    dtype = autocast_dtype(precision, device)
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+def grads_to_none(module: torch.nn.Module) -> bool:
+    """Whether zero_grad may drop the gradients (set_to_none) before each backward: not under a
+    DistributedDataParallel whose gradients are views of its all-reduce buckets
+    (gradient_as_bucket_view). Dropped, they cost a fresh allocation per parameter in every backward
+    and a copy of each into its bucket, where DDP points .grad back at its view; zeroed in place,
+    backward accumulates into the bucket itself. Elsewhere dropping them saves that zeroing."""
+    inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper holds the module it compiles
+    return not (isinstance(inner, DistributedDataParallel) and inner.gradient_as_bucket_view)
+
+
 class Backprop:
     """Forward and backward of each batch the loader gives."""
 
@@ -56,8 +80,8 @@ class Backprop:
         self.model, self.optimizer, self.usable = model, optimizer, usable
         self.batches = iter(loader)
         self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                         if cfg.train.precision == "bf16" and device.type == "cuda" else nullcontext())
+        self.to_none = grads_to_none(model)
+        self.autocast = autocast(cfg.train.precision, device)
 
     def fetch(self):
         """The next batch on the device as (x, y); None when none of its images could be read."""
@@ -69,7 +93,7 @@ class Backprop:
         x, y = batch
         with self.autocast:
             loss = loss_fn(self.model(x).float(), y, self.wd_params, self.weight_decay)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.to_none)
         loss.backward()
         return loss.detach(), len(y)
 
@@ -83,7 +107,7 @@ class Emulated:
     same every step on every replica (drawn once from train.seed), so all strategies and runs agree."""
 
     def __init__(self, cfg, model: torch.nn.Module, device: torch.device) -> None:
-        self.seconds, self.images = cfg.train.emulate_compute_s, cfg.data.batch_size
+        self.seconds, self.images, self.device = cfg.train.emulate_compute_s, cfg.data.batch_size, device
         gen = torch.Generator().manual_seed(cfg.train.seed)
         self.params = list(model.parameters())
         # Memory: one more copy of the parameters.
@@ -95,6 +119,11 @@ class Emulated:
         return self.images
 
     def __call__(self, images: int) -> tuple[torch.Tensor, int]:
+        # Host-device sync: the previous step's all-reduce and optimizer, still queued on a GPU, finish
+        # before the sleep stands for this step's forward and backward; else they would run during it
+        # and the emulated GPU would hide them, which a real one, busy computing, cannot. Cost: the
+        # host waits for them once a step, as a real step's first kernels would.
+        metrics.sync(self.device)
         time.sleep(self.seconds)  # the GPU's forward and backward; the host is free meanwhile
         for p, g in zip(self.params, self.grads):
             if p.grad is None:

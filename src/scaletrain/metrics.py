@@ -11,6 +11,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +53,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def pinned(device: torch.device) -> bool:
+    """Whether host copies of `device`'s tensors go through page-locked memory, queued (non_blocking)
+    and waited for once: from a GPU, which then copies without a staging copy through pageable memory
+    and without holding the host per tensor. Page-locked memory cannot be swapped out, so not for
+    host tensors, which need no such copy."""
+    return device.type == "cuda"
+
+
 class DeviceTimer:
-    """Seconds of a replica's compute, summed over steps, with no host-device sync per step: on a
-    GPU a pair of CUDA events around each step's work, read when `seconds` is asked (a log point,
-    which syncs anyway); on a CPU the host clock, the work being done when its call returns."""
+    """Seconds of a replica's work of one kind (compute, communication), summed over steps, with no
+    host-device sync per step.
+
+    On a GPU, a pair of CUDA events on the current stream around each piece of work: what the
+    interval holds is the device's time from the work's start to its end, queued kernels and
+    collectives included (an NCCL call returns once it is queued; its wait shows on the stream,
+    not on the host's clock), and a host wait inside it (gloo, a flag) where the device idles
+    through it. Pairs whose end has passed are folded in as new ones start (a query, no sync), so
+    the list stays short between log points; `seconds` reads the rest (a sync, at log points,
+    which sync anyway). On a CPU the host clock: the work is done when its call returns."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda, self.total, self.t0 = device.type == "cuda", 0.0, 0.0
-        self.pending: list = []  # (start, end) events not yet read
+        self.pending: deque = deque()  # (start, end) events not yet read, oldest first
 
     def start(self) -> None:
         if self.cuda:
+            self._fold(done_only=True)
             self.pending.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
             self.pending[-1][0].record()
         else:
@@ -73,12 +91,29 @@ class DeviceTimer:
         else:
             self.total += time.perf_counter() - self.t0
 
+    @contextmanager
+    def timing(self):
+        """Count the work started inside the block (on a GPU, queued inside it)."""
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
     def seconds(self) -> float:
-        for a, b in self.pending:
-            b.synchronize()  # host-device sync, up to the last step's work
-            self.total += a.elapsed_time(b) / 1e3
-        self.pending.clear()
+        self._fold(done_only=False)
         return self.total
+
+    def _fold(self, done_only: bool) -> None:
+        """Add the intervals read so far: those whose end event has passed (a query), or all of them
+        (waiting for the last: a host-device sync, up to the last piece of work queued)."""
+        while self.pending:
+            a, b = self.pending[0]
+            if done_only and not b.query():
+                return
+            b.synchronize()  # host-device sync from seconds() (log points); at once after a query said done
+            self.total += a.elapsed_time(b) / 1e3
+            self.pending.popleft()
 
 
 class JobClock:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .compute import autocast
 from .strategies.allreduce import average_
 
 
@@ -35,9 +36,12 @@ def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | Non
             b.copy_(v)
 
 
-def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group, workers: int) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group, workers: int,
+             precision: str = "fp32") -> dict[str, float]:
     """Test loss and accuracy over every worker's slice: each evaluates its own, the sums are
-    reduced. BatchNorm statistics are averaged over the replicas first, so all evaluate one model."""
+    reduced. BatchNorm statistics are averaged over the replicas first, so all evaluate one model.
+    precision: train.precision; the forward autocasts as training's does, so the figures are of
+    the model as it trains (and evaluation costs what a forward in training does)."""
     if group is not None:
         bufs = [b for b in model.buffers() if b.is_floating_point()]
         if bufs:
@@ -49,7 +53,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group
             x, y = usable(batch)
             if x is None:
                 continue
-            logits = model(x).float()
+            with autocast(precision, device):
+                logits = model(x).float()
             sums[0] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
             sums[1] += (logits.argmax(1) == y).sum()
             sums[2] += len(y)

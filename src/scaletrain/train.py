@@ -338,7 +338,7 @@ class Run:
             return {}
         with self.strategy.latest():
             res = evaluate(self.model, self.evaluation, self.device, self.usable, self.group,
-                           len(self.ctx.plan.workers))
+                           len(self.ctx.plan.workers), self.cfg.train.precision)
         if res:
             self.final = res
             self.best = max(self.best or 0.0, res["test_accuracy"])

@@ -56,6 +56,7 @@ import torch.multiprocessing as mp
 
 from ..config import Config
 from ..errors import ProfileError
+from ..metrics import pinned, sync
 from .profile import Profile, load_profile
 
 SMALL = 1  # elements of the latency message (4 bytes)
@@ -206,15 +207,21 @@ def measure_accumulate(numel: int) -> float:
     return _timed(lambda: acc.add_(grad), 10)
 
 
+def copy_buffers(numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gradient of `numel` floats on `device` and the host buffer it is copied into, as the PS
+    path holds them: page-locked from a GPU (metrics.pinned; ps_client's buffers), else plain."""
+    return torch.randn(numel).to(device), torch.empty(numel, pin_memory=pinned(device))
+
+
 def measure_copy(numel: int, device: torch.device) -> float:
-    """Seconds of copying a gradient of `numel` floats from `device` into host memory, one thread."""
+    """Seconds of copying a gradient of `numel` floats from `device` into host memory, one thread,
+    as the job's push does: from a GPU into page-locked memory, queued, then waited for."""
     torch.set_num_threads(1)
-    src, dst = torch.randn(numel).to(device), torch.empty(numel)
+    src, dst = copy_buffers(numel, device)
 
     def copy():
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        dst.copy_(src, non_blocking=dst.is_pinned())
+        sync(device)  # host-device sync: the copy is whole when the clock stops, as the push waits for it
     return _timed(copy, 10)
 
 

@@ -61,7 +61,9 @@ def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what:
     flat = torch.cat([t.reshape(-1) for t in tensors], out=out)
     moving = flat if wire is None else wire.copy_(flat.div_(size))
     with counters.timed(what) if counters else nullcontext():
-        dist.all_reduce(moving, group=group)  # collective; blocks until every member joins
+        # Collective. gloo returns when every member has joined; NCCL once it is queued, and the stream
+        # waits instead: the counters' events see that wait, a host clock would not.
+        dist.all_reduce(moving, group=group)
     if wire is None:
         flat /= size
     else:
@@ -128,6 +130,8 @@ class AllReduce(Strategy):
         if self.asking is None:
             return False
         with self.counters.timed("comm_s"):
-            self.asking.wait()  # in flight since the previous step: done by now unless a replica lags
+            # In flight since the previous step: done by now unless a replica lags. A host wait (gloo, host
+            # flag); on a GPU the events count it where the stream idles through it.
+            self.asking.wait()
         self.asking = None
         return bool(self.flag.item())

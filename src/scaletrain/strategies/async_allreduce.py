@@ -80,7 +80,7 @@ class AsyncAllReduce(Strategy):
 
     def _finish_round(self, lr: float) -> Tick:
         with self.counters.timed("comm_s"):
-            self.round.wait()
+            self.round.wait()  # NCCL: the stream waits for the round (the events count it); gloo: the host
         self.round = None
         out = self._buffers["round"]
         count = int(out[self.numel].item())

@@ -11,13 +11,13 @@ it runs.
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..dist import Context
+from ..metrics import DeviceTimer
 from ..ps.protocol import WIRE
 from ..schedule import Schedule
 
@@ -30,24 +30,31 @@ class Tick:
     asked: int = 0  # at a point the shards agreed (PS): the requests it was asked with (dist.CHECKPOINT, STOP)
 
 
-@dataclass
 class Counters:
-    """Traffic and time, counted where this process calls send/recv/collectives."""
+    """Traffic and time, counted where this process calls send/recv/collectives.
 
-    bytes_sent: int = 0   # between nodes: to the PS, or this process's share of an all-reduce
-    bytes_recv: int = 0
-    intra_bytes: int = 0  # sent inside the node (gradient averaging, parameter broadcast)
-    intra_s: float = 0.0  # averaging inside the node
-    comm_s: float = 0.0   # all-reduce between nodes, or push/pull waiting on the PS
-    steps: int = 0
+    The times are read from DeviceTimers: on a GPU an NCCL collective returns once it is queued,
+    and what it waits for shows on the device's stream (the events), not on the host's clock."""
 
-    @contextmanager
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.bytes_sent = 0   # between nodes: to the PS, or this process's share of an all-reduce
+        self.bytes_recv = 0
+        self.intra_bytes = 0  # sent inside the node (gradient averaging, parameter broadcast)
+        self.steps = 0
+        # intra_s: averaging inside the node; comm_s: all-reduce between nodes, or push/pull waiting on the PS
+        self.clocks = {"intra_s": DeviceTimer(device), "comm_s": DeviceTimer(device)}
+
+    @property
+    def intra_s(self) -> float:
+        return self.clocks["intra_s"].seconds()  # on a GPU a host-device sync: read at log points only
+
+    @property
+    def comm_s(self) -> float:
+        return self.clocks["comm_s"].seconds()  # on a GPU a host-device sync: read at log points only
+
     def timed(self, what: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            setattr(self, what, getattr(self, what) + time.perf_counter() - t0)
+        """Context in which the work started (on a GPU, queued) counts towards `what`."""
+        return self.clocks[what].timing()
 
 
 class Strategy:
@@ -59,7 +66,7 @@ class Strategy:
         self.params = [p for p in model.parameters()]
         self.numel = sum(p.numel() for p in self.params)  # parameters (and gradients) end to end
         self._buffers: dict[str, torch.Tensor] = {}
-        self.counters = Counters()
+        self.counters = Counters(self.params[0].device)
         self.images = 0  # where every replica applies every update: the job's progress
         self.wire = WIRE[cfg.strategy.compression]  # the type gradients and values travel in between nodes
 

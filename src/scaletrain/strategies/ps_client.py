@@ -63,9 +63,8 @@ class PSClient(Strategy):
         return self.ddp or self.model
 
     def step(self, lr: float) -> Tick:
-        if self.on_gpu:
-            torch.cuda.current_stream().synchronize()  # host-device sync: the gradient is whole before the
-            # averaging's and the push's clocks start (the push needs it on the host anyway)
+        # The clocks are the device's events (Counters): they need no sync here, starting where the
+        # stream reaches them. The push syncs once its payloads are queued, as it needs them on the host.
         grads = self.grads()
         if self.ddp is not None:  # averaged in backward
             count_ring(self.counters, self.group_size, self.numel * grads[0].element_size(), "intra_s")
@@ -86,7 +85,8 @@ class PSClient(Strategy):
             for p, v in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
                 p.data.copy_(v)
         self.counters.steps += 1
-        images, flags = info.tolist()  # host-device sync on GPU (the pusher's .cpu() already was one)
+        images, flags = info.tolist()  # host-device sync on GPU: the Tick is the host's (a replica that is
+        # not the pusher waits here for the leader's broadcast; its events count that wait in intra_s)
         return Tick(images, bool(flags & P.HOLD), bool(flags & P.DONE), flags >> P.ASKED)
 
     def _flat(self, name: str) -> torch.Tensor:
