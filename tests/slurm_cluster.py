@@ -8,9 +8,10 @@ Use:     with Cluster() as c: c.start(tmp_path); subprocess.run(["sbatch", "--wa
 By hand: python tests/slurm_cluster.py up DIR; SLURM_CONF=DIR/slurm.conf sinfo; ... down DIR
 
 node1..node4 are four slurmd processes on 127.0.0.1:17001-17004 (slurmctld on 16817, so one
-cluster at a time per machine). Each declares 8 CPUs whatever the hardware has, so a step may run
-up to 8 tasks per node; the partition hands out whole nodes, so `sbatch --nodes=N` alone is enough
-for `srun --ntasks-per-node=k`. Config, munge key and socket, state, spool and logs all live in
+cluster at a time per machine). Each declares Cluster(cpus=...) CPUs (8 unless told) whatever the
+hardware has, and Cluster(gpus=...) GPUs that Slurm counts and hands out (CUDA_VISIBLE_DEVICES,
+SLURM_STEP_GPUS) with nothing behind them; the partition hands out whole nodes, so
+`sbatch --nodes=N` alone is enough for `srun --ntasks-per-node=k`. Config, munge key and socket, state, spool and logs all live in
 the work directory; the only change outside it is one /etc/hosts line: node1..node4 -> 127.0.0.1.
 """
 import os, shutil, signal, socket, stat, subprocess, sys, time
