@@ -8,12 +8,13 @@ Use:     with Cluster() as c: c.start(tmp_path); subprocess.run(["sbatch", "--wa
 By hand: python tests/slurm_cluster.py up DIR; SLURM_CONF=DIR/slurm.conf sinfo; ... down DIR
 
 node1..node4 are four slurmd processes on 127.0.0.1:17001-17004 (slurmctld on 16817, so one
-cluster at a time per machine). Each declares 8 CPUs whatever the hardware has, so a step may run
-up to 8 tasks per node; the partition hands out whole nodes, so `sbatch --nodes=N` alone is enough
-for `srun --ntasks-per-node=k`. Config, munge key and socket, state, spool and logs all live in
+cluster at a time per machine). Each declares Cluster(cpus=...) CPUs (8 unless told) whatever the
+hardware has, and Cluster(gpus=...) GPUs that Slurm counts and hands out (CUDA_VISIBLE_DEVICES,
+SLURM_STEP_GPUS) with nothing behind them; the partition hands out whole nodes, so
+`sbatch --nodes=N` alone is enough for `srun --ntasks-per-node=k`. Config, munge key and socket, state, spool and logs all live in
 the work directory; the only change outside it is one /etc/hosts line: node1..node4 -> 127.0.0.1.
 """
-import os, shutil, signal, socket, subprocess, sys, time
+import os, shutil, signal, socket, stat, subprocess, sys, time
 from pathlib import Path
 
 NODES = ["node1", "node2", "node3", "node4"]
@@ -54,7 +55,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # slurmd takes CPUs/RealMemory from this file even though the machine has fewer cores.
 SlurmdParameters=config_overrides
-NodeName=node[1-4] NodeHostname={host} NodeAddr=127.0.0.1 Port=17001-17004 CPUs=8 RealMemory=1024
+{gres_types}NodeName=node[1-4] NodeHostname={host} NodeAddr=127.0.0.1 Port=17001-17004 CPUs={cpus} RealMemory=1024{gres}
 PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE
 """
 
@@ -70,8 +71,10 @@ def available():
 
 
 class Cluster:
-    def __init__(self):
-        self.workdir, self.procs = None, []
+    def __init__(self, cpus=8, gpus=0):
+        """cpus: CPUs each node declares; gpus: GPUs each node declares (gres gpu with no device
+        files: Slurm counts and hands them out, nothing on this machine backs them)."""
+        self.workdir, self.procs, self.cpus, self.gpus = None, [], cpus, gpus
 
     @property
     def env(self):
@@ -90,7 +93,18 @@ class Cluster:
         if not key.exists():
             key.write_bytes(os.urandom(1024))
             key.chmod(0o400)
-        (wd / "slurm.conf").write_text(CONF.format(host=socket.gethostname().split(".")[0], wd=wd))
+        gres = dict(gres_types="GresTypes=gpu\n", gres=f" Gres=gpu:{self.gpus}") if self.gpus else \
+            dict(gres_types="", gres="")
+        (wd / "slurm.conf").write_text(CONF.format(host=socket.gethostname().split(".")[0], wd=wd, cpus=self.cpus,
+                                                   **gres))
+        # slurmd 22.05 drops a GPU with no File= ("Removing file-less GPU") and logs an error for a
+        # File= that is no device: so each fake GPU is a character device node like /dev/null's.
+        for i in range(self.gpus):
+            dev = wd / "dev" / f"gpu{i}"
+            if not dev.exists():
+                dev.parent.mkdir(exist_ok=True)
+                os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        (wd / "gres.conf").write_text(f"Name=gpu File={wd}/dev/gpu[0-{self.gpus - 1}]\n" if self.gpus else "")
         hosts = Path("/etc/hosts")  # idempotent append; other lines are never touched
         if HOSTS_LINE not in hosts.read_text():
             with hosts.open("a") as f:

@@ -59,7 +59,7 @@ def test_sbatch_format_asks_for_the_plan(capsys, tmp_path):
     assert main(["plan", "--recipe", DIGITS, "--format", "sbatch", "--run-dir", str(tmp_path / "r"),
                  *sets("cluster.nodes=2", "cluster.gpus_per_node=4", "cluster.num_ps=1", "strategy.name=sync")]) == 0
     text = capsys.readouterr().out
-    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks=9\n" in text and "#SBATCH --gpus-per-node=4\n" in text
+    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --gpus-per-node=4\n" in text
     assert f"-m scaletrain train --recipe {DIGITS} --set cluster.nodes=2" in text
     # A requeued run of the job resumes from the run dir's checkpoint.
     assert text.rstrip().endswith(f"--run-dir {tmp_path / 'r'} ${{SLURM_RESTART_COUNT:+--resume}}")

@@ -7,6 +7,7 @@ tests are skipped with that reason; as root a missing package is an error, not a
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ SMALL = ["train.device=cpu", "train.steps=20", "data.workers=0", "train.eval_eve
 def cluster(tmp_path_factory):
     reason = slurm_cluster.available()
     assert reason is None, reason
-    with slurm_cluster.Cluster() as c:
+    with slurm_cluster.Cluster(cpus=16, gpus=4) as c:  # the study's nodes: 16 CPUs, 4 GPUs
         c.start(tmp_path_factory.mktemp("slurm"))
         yield c
 
@@ -38,9 +39,9 @@ def sets(*overrides):
     return [a for o in overrides for a in ("--set", o)]
 
 
-def submit(cluster, run_dir, *overrides):
+def submit(cluster, run_dir, *overrides, args=()):
     r = subprocess.run(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(run_dir), "--submit", "--wait",
-                                      "--time", "00:10:00", *sets(*SMALL, *overrides)),
+                                      "--time", "00:10:00", *args, *sets(*SMALL, *overrides)),
                        cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=300)
     logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*")) if p.suffix in (".out", ".log"))
     return r, logs
@@ -74,18 +75,26 @@ def test_four_node_mixed_async_job(cluster, tmp_path):
 
 
 def test_two_node_sync_job_with_a_dedicated_ps_node(cluster, tmp_path):
+    """A GPU job (the cluster's GPUs are counted by Slurm, backed by nothing: the processes run on
+    CPU) whose PS has a node of its own: a heterogeneous job, no GPU on the PS node; the set-up
+    line runs first, and --wait says the job's states."""
     run_dir = tmp_path / "sync"
-    r, logs = submit(cluster, run_dir, "cluster.nodes=2", "cluster.num_ps=1", "cluster.ps_placement=dedicated",
-                     "strategy.name=sync")
+    r, logs = submit(cluster, run_dir, "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.num_ps=1",
+                     "cluster.ps_placement=dedicated", "strategy.name=sync", "train.device=auto",
+                     args=("--setup", "echo set-up ran on $SLURMD_NODENAME"))
     assert r.returncode == 0, r.stdout + r.stderr + logs
+    assert "#SBATCH hetjob" in (run_dir / "job.sbatch").read_text()
+    assert re.search(r"^Slurm job \d+: running on node\[1-2\],node3$", r.stdout, re.M), r.stdout
+    assert "set-up ran on node1" in logs
     s = json.loads((run_dir / "summary.json").read_text())
     assert (s["nodes"], s["nodes_total"], s["num_ps"], s["ps_placement"]) == (2, 3, 1, "dedicated")
     assert s["staleness_max"] == 0
     procs = placement(run_dir)
-    hosts = expected_hosts(run_dir)
-    assert [(p["role"], p["node"]) for p in procs] == [("worker", 0), ("worker", 1), ("ps", 2)]
-    assert [p["SLURMD_NODENAME"] for p in procs] == hosts
-    assert len(set(hosts)) == 3  # the PS has a node of its own
+    assert [(p["role"], p["node"], p["SLURMD_NODENAME"]) for p in procs] == [
+        ("worker", 0, "node1"), ("worker", 0, "node1"), ("worker", 1, "node2"), ("worker", 1, "node2"),
+        ("ps", 2, "node3")]
+    assert [p.get("SLURM_STEP_GPUS") for p in procs] == ["0,1"] * 4 + [None]  # no GPU held for the PS
+    assert [p["threads"] for p in procs] == [1, 1, 1, 1, 16]  # the PS node's 16 CPUs are the PS's
 
 
 def test_train_inside_an_allocation_uses_slurm(cluster, tmp_path):
@@ -104,14 +113,66 @@ def test_train_inside_an_allocation_uses_slurm(cluster, tmp_path):
 
 
 def test_failed_job_returns_its_status(cluster, tmp_path):
+    """A job that fails on its nodes: each process names its host and the interface it lacks."""
     run_dir = tmp_path / "bad"
     r, logs = submit(cluster, run_dir, "cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync",
-                     "data.name=imagefolder", f"data.root={tmp_path / 'missing'}")
+                     "cluster.ifname=nosuch0")
     assert r.returncode != 0
     assert "failed" in r.stderr, r.stderr
-    errors = [line for line in logs.splitlines() if str(tmp_path / "missing") in line]
-    assert errors and all(line.startswith("scaletrain: error: rank ") for line in errors), logs
+    assert "# Network: gloo and NCCL sockets on nosuch0 (cluster.ifname)" in (run_dir / "job.sbatch").read_text()
+    errors = [line for line in logs.splitlines() if "nosuch0" in line]
+    assert errors and all(line.startswith("scaletrain: error: rank ") and
+                          f"no such interface with an IPv4 address on {socket.gethostname()}" in line
+                          for line in errors), logs
     assert "Traceback" not in logs, logs
+
+
+def test_study_recipe_fits_16_cpu_nodes_and_what_does_not_is_refused_before_sbatch(cluster, tmp_path):
+    """The study's shape (4 nodes of 4 GPUs and 16 CPUs, 3 PS alongside): Slurm takes the script
+    (sbatch --test-only: a ResNet-50 run is too heavy here), and refused the one asking every task
+    for a worker's CPUs. What cannot run is refused in one line before sbatch, nothing written."""
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "resnet50-imagenet.safetensors").write_bytes(b"")
+    (tmp_path / "data" / "anp").mkdir(parents=True)
+    for name in ("train.csv", "test.csv"):
+        (tmp_path / "data" / "anp" / name).write_text("")
+    study = ["cluster.nodes=4", "cluster.gpus_per_node=4", "cluster.num_ps=3", "strategy.name=mixed-async"]
+
+    def slurm(run, *extra, overrides=()):
+        return subprocess.run(scaletrain_cmd("slurm", "--recipe", str(RECIPES / "anp-resnet50.toml"), "--run-dir",
+                                             str(tmp_path / run), "--time", "12:00:00", *extra,
+                                             *sets(*study, *overrides)),
+                              cwd=tmp_path, env=cluster.env, capture_output=True, text=True, timeout=60)
+
+    r = slurm("fits", "--exclusive")
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "fits" / "job.sbatch").read_text()
+    assert "#SBATCH --cpus-per-task=13\n" in text and "# Fits partition debug's nodes (sinfo: 4 nodes of 16 CPUs" in text
+    resolved = (tmp_path / "fits" / "config.toml").read_text()
+    assert f'root = "{tmp_path}/data/anp/train.csv"' in resolved
+    assert f'init_from = "{tmp_path}/weights/resnet50-imagenet.safetensors"' in resolved
+    test_only = ["sbatch", "--test-only"]
+    ok = subprocess.run([*test_only, str(tmp_path / "fits" / "job.sbatch")], env=cluster.env, capture_output=True,
+                        text=True)
+    assert ok.returncode == 0 and "to start" in ok.stderr, ok.stderr
+    old = text.replace("#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=13",
+                       "#SBATCH --ntasks=19\n#SBATCH --cpus-per-task=5")  # every task a worker's 4 + 1 CPUs
+    (tmp_path / "old.sbatch").write_text(old)
+    refused = subprocess.run([*test_only, str(tmp_path / "old.sbatch")], env=cluster.env, capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and "Requested node configuration is not available" in refused.stderr
+
+    def refused_in_one_line(r, run, words):
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / run / "job.sbatch").exists()
+
+    refused_in_one_line(slurm("wide", overrides=["data.workers=4"]), "wide",
+                        "node 2 needs 21 CPUs (4 workers x (4 loaders + 1 thread) + PS 0 (1 thread at least)); "
+                        "partition debug's nodes have 16: lower data.workers to 2")
+    refused_in_one_line(slurm("mem", "--mem", "2G"), "mem", "--mem 2G is more than partition debug's nodes have")
+    refused_in_one_line(slurm("path", overrides=["data.test_root=data/anp/missing.csv"]), "path",
+                        f"data.test_root = 'data/anp/missing.csv': {tmp_path}/data/anp/missing.csv not found; it must "
+                        "be on a shared file system")
 
 
 def start(cluster, run_dir, *overrides, args=("--time", "00:10:00")):
@@ -158,18 +219,20 @@ def left_behind(run_dir):
 def test_script_asks_for_cpus_warning_requeue_and_time(cluster, tmp_path):
     run_dir = tmp_path / "script"
     r = subprocess.run(scaletrain_cmd("slurm", "--recipe", DIGITS, "--run-dir", str(run_dir), "--time", "01:30:00",
-                                      "--warn-before", "120", *sets(*SMALL, "data.workers=3", "train.threads=2",
+                                      "--warn-before", "120", "--mem", "512M", *sets(*SMALL, "data.workers=3", "train.threads=2",
                                                                    "cluster.nodes=2")),
                        cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = (run_dir / "job.sbatch").read_text().splitlines()
-    for opt in ("--cpus-per-task=5", "--signal=B:USR1@120", "--requeue", "--time=01:30:00", "--open-mode=append"):
+    for opt in ("--cpus-per-task=5", "--signal=B:USR1@120", "--requeue", "--time=01:30:00", "--open-mode=append",
+                "--mem=512M"):
         assert f"#SBATCH {opt}" in lines, (opt, lines)
     # Slurm takes them: the job as the controller holds it (held, so it never runs).
     job = subprocess.run(["sbatch", "--parsable", "--hold", str(run_dir / "job.sbatch")], env=cluster.env,
                          capture_output=True, text=True, check=True).stdout.strip()
     try:
-        assert [job_field(cluster, job, k) for k in ("CPUs/Task", "Requeue", "TimeLimit")] == ["5", "1", "01:30:00"]
+        assert [job_field(cluster, job, k) for k in ("CPUs/Task", "Requeue", "TimeLimit", "MinMemoryNode")] == \
+            ["5", "1", "01:30:00", "512M"]
     finally:
         subprocess.run(["scancel", job], env=cluster.env)
     # A warning that would come as the job starts is refused before anything is written.

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="send the job SIGUSR1 this long before --time runs out: it checkpoints and is "
                          "requeued (default 300; 0 = no warning)")
     sl.add_argument("--no-requeue", action="store_true", help="a job stopped by the warning ends (no requeue)")
+    sl.add_argument("--mem", default="", help="memory a node, e.g. 120G (default: the partition's default)")
+    sl.add_argument("--exclusive", action="store_true", help="whole nodes: every CPU and all memory of each node")
+    sl.add_argument("--setup", action="append", default=[], metavar="LINE",
+                    help="a shell line the job runs before it starts, e.g. 'module load cuda/12.4' (repeatable; "
+                         "after cluster.setup's; srun passes the environment on to every process)")
     sl.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     sl.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     sl.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
@@ -193,12 +198,26 @@ def _pack(args, cfg) -> int:
 
 
 def _slurm(args, cfg, run_dir: Path) -> int:
-    from .launch import slurm
+    from .launch import preflight, slurm
+    from .launch.env import plan_for
     from .train import prepare_run_dir
 
+    cfg = preflight.absolute_paths(cfg, Path.cwd())  # every node reads them, from wherever the job runs
+    if args.setup:
+        cfg = cfg.replace(**{"cluster.setup": [*cfg.cluster.setup, *args.setup]})
+    found = preflight.partition_nodes(args.partition)
+    if isinstance(found, str):
+        checked = f"Partition's nodes unknown ({found}): CPUs, GPUs and memory not checked."
+        print(f"scaletrain: {checked}", file=sys.stderr)
+    else:
+        name, nodes = found
+        preflight.check_fit(plan_for(cfg), cfg, name, nodes, args.mem)
+        checked = f"Fits partition {name}'s nodes (sinfo: {preflight.describe(nodes)})."
+    run_dir = run_dir.resolve()
     prepare_run_dir(run_dir, args.resume, cfg)
     path = slurm.write(cfg, run_dir, partition=args.partition, time=args.time, account=args.account,
-                       warn_before=args.warn_before, requeue=not args.no_requeue, resume=args.resume)
+                       warn_before=args.warn_before, requeue=not args.no_requeue, resume=args.resume,
+                       mem=args.mem, exclusive=args.exclusive, checked=checked)
     print(f"wrote {path}")
     if not args.submit:
         print(f"submit it with: sbatch {path}")

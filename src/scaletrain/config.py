@@ -41,6 +41,15 @@ def parse_augment(value) -> list[str]:
     return [n for n in AUGMENTATIONS if n in names]
 
 
+def parse_lines(value) -> list[str]:
+    """cluster.setup as given (a list of strings, or one string) -> the lines."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and "\n" not in v for v in value):
+        raise ValueError("expected a list of shell lines (strings without a newline)")
+    return [v.strip() for v in value if v.strip()]
+
+
 def opt(default, doc: str, *, choices=None, lo=None, hi=None, parse=None):
     """A config field: default, one-line doc (unit, range), optional checks; `parse` turns what a
     recipe may write into the stored value, raising ValueError with what is allowed."""
@@ -164,6 +173,10 @@ class ClusterConfig:
                        "but replicas of one host may share a GPU)", choices=("auto", "gloo"))
     ifname: str = opt("", "network interface for gloo's and NCCL's sockets, e.g. ib0 ('' = an InfiniBand ib* "
                       "interface where there is one, loopback for a job on this machine, else the host name's)")
+    ps_threads: int = opt(0, "CPU threads a PS process asks for under Slurm; it also takes every CPU of its node "
+                          "the workers there leave (0 = ask for 1; 0..1024)", lo=0, hi=1024)
+    setup: list = opt([], "shell lines a Slurm job runs before it starts, e.g. [\"module load cuda/12.4\"]; "
+                      "srun passes the environment they make on to every process ([] = none)", parse=parse_lines)
 
     @property
     def stopping(self) -> tuple[str, ...]:

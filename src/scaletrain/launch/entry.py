@@ -40,8 +40,11 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     rank = seat.rank
-    if not cfg.train.threads:
-        torch.set_num_threads(int(os.environ.get("SCALETRAIN_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or 1))
+    given = launcher_threads(os.environ.get("SCALETRAIN_THREADS", ""), rank)
+    if given and plan.procs[rank].role == "ps":  # train.threads is a worker's; a PS takes its budget's
+        torch.set_num_threads(given)
+    elif not cfg.train.threads:  # one thread where no launcher says (torchrun): many processes share a node
+        torch.set_num_threads(given or 1)
     record(run_dir, plan, seat)
     if plan.procs[rank].device.startswith("cuda"):
         # Before any process group: NCCL's communicators, the caching allocator and every kernel of
@@ -89,6 +92,15 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
     return 0
 
 
+def launcher_threads(text: str, rank: int) -> int:
+    """This process's torch threads as its launcher gives them: one count for every process (the
+    local launcher) or one by rank, comma-separated (Slurm: launch/cpus.py). 0 = none given."""
+    counts = [int(t) for t in text.split(",") if t.strip().isdigit()]
+    if len(counts) > 1:
+        return counts[rank] if rank < len(counts) else 0
+    return counts[0] if counts else 0
+
+
 def record(run_dir: Path, plan, seat) -> None:
     """logs/rankR.json: where this process runs, for operators and tests."""
     p = plan.procs[seat.rank]
@@ -97,8 +109,9 @@ def record(run_dir: Path, plan, seat) -> None:
     tmp.write_text(json.dumps({
         "rank": seat.rank, "role": p.role, "index": p.index, "node": p.node, "local_rank": p.local_rank,
         "device": p.device, "pid": os.getpid(), "host": socket.gethostname(), "launcher": seat.launcher,
-        "job": seat.job, "rendezvous": f"{seat.addr}:{seat.port}",
-        **{k: os.environ[k] for k in ("SLURMD_NODENAME", "SLURM_NODEID", "SLURM_LOCALID", "GROUP_RANK", "LOCAL_RANK")
+        "job": seat.job, "rendezvous": f"{seat.addr}:{seat.port}", "threads": torch.get_num_threads(),
+        **{k: os.environ[k] for k in ("SLURMD_NODENAME", "SLURM_NODEID", "SLURM_LOCALID", "SLURM_STEP_GPUS",
+                                      "GROUP_RANK", "LOCAL_RANK")
            if k in os.environ}}) + "\n")
     os.replace(tmp, run_dir / "logs" / f"rank{seat.rank}.json")  # readers never see half a file
 

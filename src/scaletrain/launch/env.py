@@ -89,9 +89,22 @@ def expand_nodelist(text: str) -> list[str]:
     return hosts
 
 
+def het_groups(env) -> list[str]:
+    """The suffixes of a heterogeneous job's components ('_HET_GROUP_0', ...), [''] for a plain job.
+    Slurm's SLURM_JOB_NODELIST of a heterogeneous job is the batch host's component alone (in the
+    batch step) or every host sorted by name (in a step), not the components in order."""
+    size = env.get("SLURM_HET_SIZE", "")
+    return [f"_HET_GROUP_{k}" for k in range(int(size))] if size.isdigit() else [""]
+
+
+def allocation_hosts(env) -> list[str]:
+    """The allocation's hosts in order: component by component in a heterogeneous job."""
+    return [h for g in het_groups(env) for h in expand_nodelist(env.get(f"SLURM_JOB_NODELIST{g}", ""))]
+
+
 def slurm_hosts(plan: Plan, env, exclude=()) -> list[str]:
     """The allocation's hosts in order, less `exclude`: plan node k runs on the k-th."""
-    hosts = [h for h in expand_nodelist(env.get("SLURM_JOB_NODELIST", "")) if h not in exclude]
+    hosts = [h for h in allocation_hosts(env) if h not in exclude]
     if len(hosts) < plan.nodes_total:
         raise LaunchError(f"the plan needs {plan.nodes_total} nodes; the allocation has {len(hosts)} "
                           f"({env.get('SLURM_JOB_NODELIST', '')}): `scaletrain slurm` asks for the right count")

@@ -1,19 +1,30 @@
 """Slurm: an sbatch script from the plan, the job step that starts every process, and the job's end.
 
-`scaletrain slurm` writes RUN_DIR/config.toml (the resolved config) and
-RUN_DIR/job.sbatch, and with --submit hands it to sbatch. The script asks
-for the plan's node count and process count and runs `scaletrain train`,
-which in the batch step (`run_job`) starts one srun step with every process
-of the plan. Nodes may run different numbers of processes (a PS alongside),
-so the step uses --distribution=arbitrary with a host file that names, for
-each global rank in order, the host of its plan node: task i is rank i, on
-the node the plan gives it (each process checks SLURM_NODEID against the plan).
+`scaletrain slurm` writes RUN_DIR/config.toml (the resolved config, paths
+made absolute) and RUN_DIR/job.sbatch, and with --submit hands it to sbatch,
+after the checks of launch/preflight.py. The script asks Slurm for the plan's
+nodes and runs `scaletrain train`, which in the batch step (`run_job`)
+starts one srun step with every process of the plan. Nodes may run different
+numbers of processes (a PS alongside), so the step uses
+--distribution=arbitrary with a host file that names, for each global rank in
+order, the host of its plan node: task i is rank i, on the node the plan
+gives it (each process checks SLURM_NODEID against the plan).
 
 What the script asks of Slurm, and why:
-- --cpus-per-task: a worker's data.workers loader processes plus its training
-  threads (train.threads, at least 1). One step has one count for all its
-  tasks, so a PS (no loader) gets a worker's count too: at most
-  data.workers idle CPUs per PS, against a worker short of CPUs otherwise.
+- --nodes, --ntasks-per-node=1, --cpus-per-task=C: one batch slot per node
+  holding C CPUs, C the most any plan node needs (launch/cpus.py: a worker's
+  loaders and threads, a PS's threads). One step has one --cpus-per-task for
+  all its tasks, so CPUs per role cannot be asked task by task; the step's
+  tasks (--cpus-per-task=1 --cpu-bind=none) share their node's CPUs unbound
+  (a 22.05 step uses all the job's CPUs on its nodes unless --exact) and each
+  process takes the threads `cpus.threads` gives it.
+- --gpus-per-node (unless train.device = "cpu"). With PS on nodes of their
+  own it would reserve GPUs there too, so such a job is heterogeneous
+  (`#SBATCH hetjob`): a component of worker nodes with GPUs, then one of PS
+  nodes without, in the plan's order; its step runs one srun component each.
+- --mem or --exclusive when given (neither: the partition's default memory).
+- cluster.setup lines (`module load ...`) run in the batch step before
+  `scaletrain train`; srun passes the environment they make to every task.
 - --signal=B:USR1@S (S from --warn-before, default 300 s, 0 = none): the
   warning reaches the batch process only, `run_job`, which passes it to every
   task of the step; the job checkpoints at the next step all processes
@@ -59,19 +70,14 @@ from pathlib import Path
 from .. import strategies
 from ..config import Config, dump_toml
 from ..errors import EXIT_STOPPED
-from ..plan import format_table
-from .env import LaunchError, plan_for, slurm_hosts, slurm_port
+from ..plan import format_table, node_name
+from . import cpus, fabric
+from .env import LaunchError, allocation_hosts, het_groups, plan_for, slurm_hosts, slurm_port
+from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
+from .preflight import mem_mb, parts
 from .local import read_ranks, write_failure
 
 WARNING = signal.SIGUSR1  # what --signal=B:USR1 sends before the time limit
-ENDED = {"COMPLETED": "completed", "CANCELLED": "cancelled", "TIMEOUT": "timed out", "PREEMPTED": "preempted",
-         "NODE_FAIL": "node failure", "FAILED": "failed", "OUT_OF_MEMORY": "out of memory",
-         "BOOT_FAIL": "boot failure", "DEADLINE": "past its deadline"}
-
-
-def cpus_per_task(cfg: Config) -> int:
-    """CPUs a worker uses: its loader processes and its training threads (a PS needs fewer)."""
-    return cfg.data.workers + max(1, cfg.train.threads)
 
 
 def time_seconds(text: str) -> int | None:
@@ -90,9 +96,11 @@ def time_seconds(text: str) -> int | None:
 
 
 def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "", time: str = "",
-           account: str = "", warn_before: int = 300, requeue: bool = True) -> str:
-    """The sbatch script: the plan's nodes and tasks, then `scaletrain train` (which, in the
-    batch step of an allocation, starts the job step below)."""
+           account: str = "", warn_before: int = 300, requeue: bool = True, mem: str = "",
+           exclusive: bool = False, checked: str = "", env=os.environ) -> str:
+    """The sbatch script: the plan's nodes with their CPUs and GPUs, then `scaletrain train` (which,
+    in the batch step of an allocation, starts the job step below). checked: what the partition's
+    nodes were checked against, or why they were not (a comment line)."""
     plan = plan_for(cfg)
     run_dir = run_dir.resolve()
     limit = time_seconds(time) if time else None
@@ -104,106 +112,64 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
     if warn_before and limit is not None and warn_before >= limit:
         raise LaunchError(f"--warn-before {warn_before} s is not shorter than --time {time} ({limit} s): the job "
                           f"would be told to stop as it starts; give --warn-before below {limit} (0 = no warning)")
-    opts = [f"--job-name=scaletrain-{run_dir.name}", f"--nodes={plan.nodes_total}", f"--ntasks={plan.world_size}",
-            f"--cpus-per-task={cpus_per_task(cfg)}", f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append",
-            "--requeue" if requeue else "--no-requeue"]
-    opts += [f"--signal=B:{WARNING.name[3:]}@{warn_before}"] if warn_before else []
-    if cfg.train.device != "cpu":
-        opts.append(f"--gpus-per-node={cfg.cluster.gpus_per_node}")
-    opts += [f"--{k}={v}" for k, v in (("partition", partition), ("time", time), ("account", account)) if v]
+    if mem:
+        mem_mb(mem)  # a size Slurm reads, or one line now
+    job = [f"--job-name=scaletrain-{run_dir.name}", f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append",
+           "--requeue" if requeue else "--no-requeue"]
+    job += [f"--signal=B:{WARNING.name[3:]}@{warn_before}"] if warn_before else []
+    where = [f"--{k}={v}" for k, v in (("partition", partition), ("time", time), ("account", account)) if v]
+    where += ([f"--mem={mem}"] if mem else []) + (["--exclusive"] if exclusive else [])
+    components = parts(plan, cfg)
+    sbatch = []
+    for k, part in enumerate(components):
+        sbatch += ["hetjob"] if k else job
+        sbatch += [f"--nodes={part.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={part.cpus}"]
+        sbatch += [f"--gpus-per-node={part.gpus}"] if part.gpus else []
+        sbatch += where
+    needs = [n for part in components for n in part.needs]
     cmd = [sys.executable, "-m", "scaletrain", "train", *train_args, "--run-dir", str(run_dir)]
     placement = format_table(plan).splitlines()[: plan.nodes_total + 1]
-    return "\n".join(["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
-                      "# Written by scaletrain; the placement (`scaletrain plan`):",
-                      *(f"#   {line}" for line in placement),
-                      "# Every process finds its role from SLURM_PROCID, SLURM_NODEID and the plan.",
-                      "# A requeued run (SLURM_RESTART_COUNT set) continues from the newest checkpoint.",
-                      f"mkdir -p {shlex.quote(str(run_dir / 'logs'))}",
-                      "exec " + shlex.join(cmd) + " ${SLURM_RESTART_COUNT:+--resume}", ""])
+    return "\n".join([
+        "#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch),
+        "# Written by scaletrain. CPUs a node (launch/cpus.py): a worker's loaders and threads, a PS's threads",
+        "# (it also takes what its node's workers leave); the processes of a node share its CPUs unbound.",
+        *(f"#   {node_name(n.node)}: {n.words()} = {n.cpus} CPUs" for n in needs),
+        *([f"# {checked}"] if checked else []),
+        *(["# GPUs on worker nodes only: the PS nodes are a second component (hetjob) with none."]
+          if len(components) > 1 else []),
+        *([] if mem or exclusive else ["# Memory: the partition's default (give --mem or --exclusive to choose)."]),
+        f"# {network_words(cfg.cluster.ifname, env)}",
+        "# The placement (`scaletrain plan`):",
+        *(f"#   {line}" for line in placement),
+        "# Every process finds its role from SLURM_PROCID, SLURM_NODEID and the plan.",
+        "# A requeued run (SLURM_RESTART_COUNT set) continues from the newest checkpoint.",
+        *(["# Set-up (cluster.setup, --setup): runs in the batch step; srun passes the environment it makes "
+           "to every task.", *cfg.cluster.setup] if cfg.cluster.setup else []),
+        f"mkdir -p {shlex.quote(str(run_dir / 'logs'))}",
+        "exec " + shlex.join(cmd) + " ${SLURM_RESTART_COUNT:+--resume}", ""])
+
+
+def network_words(ifname: str, env=os.environ) -> str:
+    """Which interface gloo's and NCCL's sockets will use on the job's nodes (launch/fabric.py)."""
+    given = [f"{k}={env[k]}" for k in fabric.ENV_KEYS if k in env]
+    if given:  # sbatch passes the submitting shell's environment on (--export=ALL)
+        return f"Network: {', '.join(given)} from the shell that wrote this; it wins over cluster.ifname on every node."
+    if ifname:
+        return (f"Network: gloo and NCCL sockets on {ifname} (cluster.ifname); a node without it stops the job "
+                f"with a line naming the node.")
+    return ("Network: gloo and NCCL sockets on each node's ib* interface if it has one, else its host name's "
+            "(cluster.ifname names one).")
 
 
 def write(cfg: Config, run_dir: Path, resume: bool = False, **opts) -> Path:
     """RUN_DIR/config.toml (the resolved config, which the job reads) and RUN_DIR/job.sbatch."""
+    args = ["--recipe", str((run_dir / "config.toml").resolve())] + (["--resume"] if resume else [])
+    text = script(cfg, run_dir, args, **opts)  # a refusal leaves nothing written
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     path = run_dir / "job.sbatch"
-    args = ["--recipe", str((run_dir / "config.toml").resolve())] + (["--resume"] if resume else [])
-    path.write_text(script(cfg, run_dir, args, **opts))
+    path.write_text(text)
     return path
-
-
-def submit(path: Path, wait: bool) -> int:
-    """sbatch the script; with wait, follow the job to its end, say how it ended, return its status
-    (0 completed, N for a job that failed with exit status N, 1 for any other end)."""
-    try:
-        r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-    except FileNotFoundError:
-        raise LaunchError("sbatch not found: run on a Slurm login node (or drop --submit)") from None
-    if r.returncode:
-        raise LaunchError(f"sbatch {path}: {(r.stderr.strip().splitlines() or ['exit status %d' % r.returncode])[-1]}")
-    job = r.stdout.strip().split(";")[0]
-    logs = path.parent / "logs"
-    print(f"submitted batch job {job}; output in {logs}/slurm-{job}.out", flush=True)
-    if not wait:
-        return 0
-    try:
-        state, status, restarts = follow(job)
-    except KeyboardInterrupt:
-        print(f"scaletrain: stopped waiting; Slurm job {job} goes on (scancel {job} stops it)", file=sys.stderr)
-        return 130
-    again = f" after {restarts} requeue{'s' * (restarts > 1)}" if restarts else ""
-    if state == "COMPLETED":
-        print(f"Slurm job {job} completed{again}", flush=True)
-        return 0
-    how = ENDED.get(state, "ended, Slurm no longer says how" if state == "UNKNOWN" else state.lower())
-    if state == "FAILED":
-        code, _, sig = status.partition(":")
-        how += f" (killed by signal {sig})" if sig not in ("", "0") else f" (exit status {code})"
-    print(f"scaletrain: error: Slurm job {job} {how}{again}; see {logs}/slurm-{job}.out and {logs}",
-          file=sys.stderr, flush=True)
-    code = status.partition(":")[0]
-    return int(code) if state == "FAILED" and code.isdigit() and int(code) else 1
-
-
-def job_fields(job: str) -> dict[str, str] | None:
-    """`scontrol show job` as a dict; None once Slurm no longer knows the job."""
-    r = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True)
-    if "Invalid job id" in r.stderr:
-        return None
-    if r.returncode or not r.stdout.strip():
-        raise LaunchError(f"scontrol show job {job}: {(r.stderr.strip().splitlines() or ['no answer'])[-1]}")
-    return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
-
-
-def follow(job: str) -> tuple[str, str, int]:
-    """Wait for the job to end: (JobState, ExitCode, Restarts). A requeued job goes back to PENDING
-    and runs again, so only an end state counts. Slurm forgets an ended job MinJobAge seconds later
-    (no accounting here to ask then), so the poll stays below half of that."""
-    cfg = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
-    age = re.search(r"^MinJobAge\s*=\s*(\d+)", cfg, re.M)
-    cap, pause, restarts = max(1.0, min(30.0, int(age.group(1)) / 2 if age else 30.0)), 1.0, 0
-    answered = time.monotonic()
-    while True:
-        try:
-            f = job_fields(job)
-            answered = time.monotonic()
-        except LaunchError:  # a busy controller answers later; one silent for 5 minutes is an error
-            if time.monotonic() - answered > 300:
-                raise
-            f = {}
-        if f is None:  # forgotten already (a slow poll): accounting, where there is one, still knows
-            try:
-                out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"],
-                                     capture_output=True, text=True).stdout
-            except OSError:
-                out = ""
-            state, _, status = (out.splitlines() or ["UNKNOWN|0:0"])[0].partition("|")
-            return state.split()[0] if state else "UNKNOWN", status or "0:0", restarts
-        restarts = int(f.get("Restarts", restarts))
-        if f.get("JobState") in ENDED:
-            return f["JobState"], f.get("ExitCode", "0:0"), restarts
-        time.sleep(pause)
-        pause = min(cap, pause * 2)
 
 
 def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True, exclude=()) -> int:
@@ -220,17 +186,23 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     hostfile = run_dir / "logs" / f"hosts-{job}.txt"
     hostfile.write_text("".join(f"{hosts[p.node]}\n" for p in plan.procs))
     port = cfg.cluster.master_port or slurm_port(job)
+    threads = cpus.threads(plan, cfg, node_cpus(os.environ, hosts))
     print(f"Slurm job {job}: {plan.world_size} processes on {', '.join(hosts[:plan.nodes_total])}; "
-          f"rendezvous {hosts[0]}:{port}", flush=True)
+          f"rendezvous {hosts[0]}:{port}; threads by rank {','.join(map(str, threads))}", flush=True)
     name = f"scaletrain-{job}-{os.getpid()}"  # how the signal forwarder finds this step
     # After a task ends, srun waits that long for the others: the heartbeats' bound, or for ever in a
     # job that goes on without a lost worker node (its processes end on their own; liveness.py).
     tolerant = strategies.tolerant(cfg)
-    cmd = ["srun", f"--job-name={name}", f"--ntasks={plan.world_size}", f"--nodes={plan.nodes_total}",
-           f"--cpus-per-task={cpus_per_task(cfg)}", "--distribution=arbitrary", "--kill-on-bad-exit=0",
-           f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}", "--overcommit", sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
+    cmd = ["srun", f"--job-name={name}", "--kill-on-bad-exit=0", f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}"]
+    het = len(het_groups(os.environ)) > 1
+    cmd += step_layout(plan, cfg, het)
+    cmd += [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
     cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
-    env = dict(os.environ, SLURM_HOSTFILE=str(hostfile), SCALETRAIN_THREADS=str(max(1, cfg.train.threads)))
+    # The batch slot's layout (one task a node) is not the step's: srun would read it from there.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_NTASKS_PER_NODE")}
+    env.update(SCALETRAIN_THREADS=",".join(map(str, threads)))
+    if not het:  # srun takes a host file's hosts as every component's node list
+        env.update(SLURM_HOSTFILE=str(hostfile))
     step: list[subprocess.Popen] = []
     got: list[int] = []
     started = time.time()
@@ -267,6 +239,33 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
               f"srun's status {rc} is theirs", flush=True)
         return 0
     return rc
+
+
+def node_cpus(env, hosts: list[str]) -> list[int]:
+    """CPUs Slurm gave the job on each of `hosts` (SLURM_JOB_CPUS_PER_NODE, per component)."""
+    counts = [c for g in het_groups(env) for c in cpus.expand_counts(env.get(f"SLURM_JOB_CPUS_PER_NODE{g}", ""))]
+    given = dict(zip(allocation_hosts(env), counts))
+    missing = [h for h in hosts if h not in given]
+    if missing:
+        raise LaunchError(f"SLURM_JOB_CPUS_PER_NODE does not say how many CPUs {missing[0]} has for this job")
+    return [given[h] for h in hosts]
+
+
+def step_layout(plan, cfg, het: bool) -> list[str]:
+    """srun's options that put every process of the plan where the plan says. Each task asks one
+    CPU and is bound to none: the processes of a node share the job's CPUs there and take their
+    thread counts from SCALETRAIN_THREADS. A heterogeneous job (PS nodes without GPUs, after the
+    worker nodes) runs a component each, ranks in component order, so no host file is needed."""
+    each = ["--cpus-per-task=1", "--cpu-bind=none"]
+    if not het:
+        return [f"--ntasks={plan.world_size}", f"--nodes={plan.nodes_total}", "--distribution=arbitrary", *each]
+    layout = []
+    for k, part in enumerate(parts(plan, cfg)):
+        procs = [p for n in part.needs for p in plan.on_node(n.node)]
+        per_node = len(procs) // part.nodes
+        layout += ([":"] if k else []) + [f"--ntasks={len(procs)}", f"--nodes={part.nodes}",
+                                          f"--ntasks-per-node={per_node}", *each]
+    return layout
 
 
 def _name_culprit(run_dir: Path, plan) -> None:

@@ -1,0 +1,154 @@
+"""The sbatch script and the checks before it, with no Slurm: CPU budget, components, refusals,
+paths, set-up lines, memory, network, and the lines `--wait` prints."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES
+
+from scaletrain.config import load_config
+from scaletrain.launch import cpus, preflight, slurm
+from scaletrain.launch.entry import launcher_threads
+from scaletrain.launch.env import LaunchError, plan_for
+from scaletrain.launch.follow import state_line
+
+STUDY = ["cluster.nodes=4", "cluster.gpus_per_node=4", "cluster.num_ps=3", "strategy.name=mixed-async"]
+NODES16 = [preflight.Node(f"n{i}", 16, 4, 128000) for i in range(1, 8)]
+
+
+def study(*overrides):
+    return load_config(RECIPES / "anp-resnet50.toml", [*STUDY, *overrides])
+
+
+def test_cpu_budget_charges_loaders_to_workers_only_and_gives_a_ps_what_is_left():
+    cfg = study()
+    plan = plan_for(cfg)
+    needs = cpus.node_needs(plan, cfg)
+    assert [n.cpus for n in needs] == [12, 13, 13, 13]  # 4 x (2 loaders + 1 thread), + 1 for a PS
+    assert needs[1].words() == "4 workers x (2 loaders + 1 thread) + PS 0 (1 thread at least)"
+    by_rank = cpus.threads(plan, cfg, [16] * 4)
+    assert [t for t, p in zip(by_rank, plan.procs) if p.role == "ps"] == [4, 4, 4]  # 16 - 12
+    assert {t for t, p in zip(by_rank, plan.procs) if p.role == "worker"} == {1}
+    assert [t for t, p in zip(cpus.threads(plan, cfg, [13] * 4), plan.procs) if p.role == "ps"] == [1, 1, 1]
+    asked = study("cluster.ps_threads=3", "train.threads=2")
+    assert [n.cpus for n in cpus.node_needs(plan, asked)] == [16, 19, 19, 19]
+    with pytest.raises(LaunchError, match="node 2 needs 13 CPUs .*; Slurm gave it 12"):
+        cpus.threads(plan, cfg, [12] * 4)
+    assert cpus.expand_counts("16(x3),13") == [16, 16, 16, 13]
+    assert launcher_threads("1,1,4", 2) == 4 and launcher_threads("3", 5) == 3 and launcher_threads("", 0) == 0
+
+
+def test_study_script_asks_each_node_for_what_its_processes_need():
+    text = slurm.script(study(), Path("/shared/runs/anp"), ["--recipe", "r.toml"], partition="gpu",
+                        time="12:00:00", exclusive=True, checked="Fits partition gpu's nodes.", env={})
+    lines = text.splitlines()
+    for opt in ("--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=13", "--gpus-per-node=4", "--exclusive",
+                "--partition=gpu"):
+        assert f"#SBATCH {opt}" in lines, (opt, text)
+    assert "#SBATCH hetjob" not in lines and not any("--mem" in line or "--ntasks=" in line for line in lines)
+    assert "#   node 2: 4 workers x (2 loaders + 1 thread) + PS 0 (1 thread at least) = 13 CPUs" in lines
+    assert "# Fits partition gpu's nodes." in lines
+    mem = slurm.script(study(), Path("/r"), [], mem="120G", env={})
+    assert "#SBATCH --mem=120G" in mem.splitlines() and "--exclusive" not in mem
+    assert "# Memory: the partition's default" in slurm.script(study(), Path("/r"), [], env={})
+    with pytest.raises(LaunchError, match="--mem '12 GB'"):
+        slurm.script(study(), Path("/r"), [], mem="12 GB", env={})
+
+
+def test_dedicated_ps_nodes_are_a_component_without_gpus():
+    cfg = study("cluster.ps_placement=dedicated")
+    text = slurm.script(cfg, Path("/r"), [], partition="gpu", env={})
+    het = text.split("#SBATCH hetjob\n")
+    assert len(het) == 2, text
+    assert "#SBATCH --nodes=4\n" in het[0] and "#SBATCH --gpus-per-node=4" in het[0]
+    assert "#SBATCH --nodes=3\n" in het[1] and "--gpus-per-node" not in het[1].split("\n#   ")[0]
+    assert "#SBATCH --partition=gpu" in het[1] and "#SBATCH --cpus-per-task=1\n" in het[1]
+    plan = plan_for(cfg)
+    assert slurm.step_layout(plan, cfg, het=True) == [
+        "--ntasks=16", "--nodes=4", "--ntasks-per-node=4", "--cpus-per-task=1", "--cpu-bind=none", ":",
+        "--ntasks=3", "--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=1", "--cpu-bind=none"]
+    cpu_only = slurm.script(study("cluster.ps_placement=dedicated", "train.device=cpu"), Path("/r"), [], env={})
+    assert "hetjob" not in cpu_only and "#SBATCH --nodes=7" in cpu_only.splitlines()
+
+
+def test_what_does_not_fit_is_refused_in_one_line_with_the_way_out():
+    cfg = study("data.workers=4")
+    with pytest.raises(LaunchError) as e:
+        preflight.check_fit(plan_for(cfg), cfg, "gpu", [preflight.Node(f"n{i}", 16, 4, 128000) for i in range(4)])
+    assert str(e.value) == ("node 2 needs 21 CPUs (4 workers x (4 loaders + 1 thread) + PS 0 (1 thread at least)); "
+                            "partition gpu's nodes have 16: lower data.workers to 2")
+    cfg = study("data.workers=3")
+    with pytest.raises(LaunchError, match="lower data.workers to 2 or use ps_placement = dedicated$"):
+        preflight.check_fit(plan_for(cfg), cfg, "gpu", NODES16)
+    cfg = study()
+    preflight.check_fit(plan_for(cfg), cfg, "gpu", NODES16[:4], mem="100G")  # fits
+    with pytest.raises(LaunchError, match="asks 4 GPUs a node .*nodes have 2"):
+        preflight.check_fit(plan_for(cfg), cfg, "gpu", [preflight.Node("n", 16, 2, 1000)] * 4)
+    with pytest.raises(LaunchError, match="--mem 200G is more than partition gpu's nodes have"):
+        preflight.check_fit(plan_for(cfg), cfg, "gpu", NODES16, mem="200G")
+    with pytest.raises(LaunchError, match="needs 4 nodes .* partition gpu has 3 such nodes of 3"):
+        preflight.check_fit(plan_for(cfg), cfg, "gpu", NODES16[:3])
+    dedicated = study("cluster.ps_placement=dedicated")
+    with pytest.raises(LaunchError, match="needs 7 nodes"):
+        preflight.check_fit(plan_for(dedicated), dedicated, "gpu", NODES16[:6])
+
+
+def test_partition_nodes_from_sinfo_or_why_not():
+    out = "n1|gpu*|16|gpu:4|128000\nn2|gpu*|16|gpu:a100:4(S:0-1)|128000\nc1|cpu|64|(null)|256000\n"
+
+    def sinfo(cmd, **_):
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    name, nodes = preflight.partition_nodes("", run=sinfo)
+    assert name == "gpu" and [(n.name, n.cpus, n.gpus) for n in nodes] == [("n1", 16, 4), ("n2", 16, 4)]
+
+    def missing(cmd, **_):
+        raise FileNotFoundError(cmd[0])
+
+    assert preflight.partition_nodes("gpu", run=missing) == "sinfo not found"
+    assert "no default partition" in preflight.partition_nodes("", run=lambda c, **_: subprocess.CompletedProcess(
+        c, 0, "c1|cpu|64|(null)|256000\n", ""))
+
+
+def test_paths_become_absolute_and_must_exist(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("a.jpg,x\n")
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    cfg = load_config(RECIPES / "digits.toml", ["data.name=manifest", "data.root=data/train.csv",
+                                                 "model.init_from=w.safetensors"])
+    out = preflight.absolute_paths(cfg, tmp_path)
+    assert (out.data.root, out.model.init_from) == (str(tmp_path / "data/train.csv"), str(tmp_path / "w.safetensors"))
+    with pytest.raises(LaunchError) as e:
+        preflight.absolute_paths(cfg.replace(**{"data.test_root": "data/test.csv"}), tmp_path)
+    assert str(e.value) == (f"data.test_root = 'data/test.csv': {tmp_path}/data/test.csv not found; it must be on a "
+                            "shared file system the job's nodes see, at the same path")
+
+
+def test_setup_lines_come_before_the_command_and_network_is_shown():
+    cfg = study("cluster.setup=[\"module load cuda/12.4\", \"conda activate st\"]", "cluster.ifname=ib0")
+    lines = slurm.script(cfg, Path("/r"), [], env={}).splitlines()
+    at = lines.index("module load cuda/12.4")
+    assert lines[at + 1] == "conda activate st" and lines[at + 2].startswith("mkdir -p")
+    assert lines[-1].startswith("exec ") and "srun passes the environment" in lines[at - 1]
+    assert any("sockets on ib0 (cluster.ifname)" in line for line in lines)
+    shell = slurm.script(cfg, Path("/r"), [], env={"GLOO_SOCKET_IFNAME": "eth0"})
+    assert "# Network: GLOO_SOCKET_IFNAME=eth0 from the shell that wrote this; it wins" in shell
+
+
+def test_wait_says_each_change_of_the_jobs_state():
+    seen, before, lines = [
+        {"JobState": "PENDING", "Reason": "Resources"}, {"JobState": "PENDING", "Reason": "Resources"},
+        {"JobState": "PENDING", "Reason": "Priority"}, {"JobState": "RUNNING", "NodeList": "n[1-4]"},
+        {"JobState": "RUNNING", "NodeList": "n[1-4]"},
+        {"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1"},
+        {"JobState": "RUNNING", "NodeList": "n[1-4]", "Restarts": "1"}, {"JobState": "COMPLETED"}], None, []
+    for f in seen:
+        line = state_line("7", f, before)
+        if line:
+            lines.append(line)
+            before = f
+    assert lines == ["Slurm job 7: pending, reason Resources", "Slurm job 7: pending, reason Priority",
+                     "Slurm job 7: running on n[1-4]", "Slurm job 7: pending (requeued 1x), reason BeginTime",
+                     "Slurm job 7: running (requeued 1x) on n[1-4]"]
