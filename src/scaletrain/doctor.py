@@ -26,7 +26,9 @@ from pathlib import Path
 from .config import ROOTS, Config
 from .device import Facts, not_applied, resolve, slurm_gpus
 from .errors import LaunchError, PlanError
+from .plan import node_name
 from .launch import fabric
+from .launch.cpus import node_needs
 from .launch.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_for
 
 SLURM = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "tasks": "SLURM_NTASKS",
@@ -150,17 +152,13 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
         if len(slurm["nodes"]) < plan.nodes_total:
             warn(f"the plan needs {plan.nodes_total} nodes; this allocation has {len(slurm['nodes'])} "
                  f"({' '.join(slurm['nodes'])})", fails=True)
-        here = slurm["nodes"].index(slurm["node"]) if slurm["node"] in slurm["nodes"] else -1
-        procs = len(plan.on_node(here)) if 0 <= here < plan.nodes_total else 0
-        from .launch.slurm import cpus_per_task  # here: it imports torch
-
-        each = cpus_per_task(cfg)  # what the step asks of Slurm for every task, a PS too
+        at = slurm["nodes"].index(slurm["node"]) if slurm["node"] in slurm["nodes"] else -1
         have = int(slurm["cpus_on_node"]) if (slurm["cpus_on_node"] or "").isdigit() else None
-        if procs and have is not None and procs * each > have:
-            warn(f"the plan runs {procs} processes on {slurm['node']}, {each} CPUs each (data.workers = "
-                 f"{cfg.data.workers} loaders + {max(1, cfg.train.threads)} thread{'s' if cfg.train.threads > 1 else ''}): "
-                 f"{procs * each} CPUs, but Slurm gave this job {have} here: lower data.workers or ask for more CPUs",
-                 fails=True)
+        if 0 <= at < plan.nodes_total and have is not None:
+            need = node_needs(plan, cfg)[at]  # what the job's processes take of this node (launch/cpus.py)
+            if need.cpus > have:
+                warn(f"{node_name(at)} of the plan ({slurm['node']}) needs {need.cpus} CPUs ({need.words()}) but "
+                     f"Slurm gave this job {have} here: lower data.workers or ask for more CPUs", fails=True)
     return out
 
 
