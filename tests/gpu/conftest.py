@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
     if mine and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in mine:
-            item.add_marker(skip, append=False)  # its reason before any other skip's
+            item.add_marker(skip)
 
 
 @pytest.fixture
