@@ -66,7 +66,7 @@ def test_make_gpu_check_with_py_gpu_leaves_the_venv_alone():
 
 
 def test_last_json_skips_progress_and_takes_the_object_printed_last():
-    out = "1 shards: floor 0.2 s\n{\n \"a\": {\n  \"b\": 1\n }\n}\n{oops\n"
+    out = "{\"earlier\": 0}\n1 shards: floor 0.2 s\n{\n \"a\": {\n  \"b\": 1\n }\n}\n{oops\n"
     assert gpu_check.last_json(out) == {"a": {"b": 1}}
     with pytest.raises(ValueError):
         gpu_check.last_json("no json here\n")
