@@ -17,9 +17,6 @@ def test_two_identical_deterministic_runs_are_bit_equal(train_run, model, norm):
             "data.batch_size=64", "data.augment=crop+flip", "train.steps=10"]
     a, b = train_run("a", *sets), train_run("b", *sets)
     assert differing(a.weights, b.weights) == []
-    # and the comparison can tell runs apart: another seed differs
-    c = train_run("c", *sets, "train.seed=1")
-    assert "fc.weight" in differing(a.weights, c.weights)
 
 
 def test_exact_resume_equals_an_uninterrupted_run(train_run):
@@ -29,8 +26,10 @@ def test_exact_resume_equals_an_uninterrupted_run(train_run):
             "data.augment=crop+flip", "optim.schedule=step", "optim.step_size=4", "optim.warmup_steps=3",
             "train.checkpoint_every=6", "train.steps=12"]
     straight = train_run("straight", *sets)
-    train_run("resumed", *sets, "train.steps=6")
+    half = train_run("resumed", *sets, "train.steps=6")
     resumed = train_run("resumed", *sets, resume=True)
     assert resumed.summary["start_step"] == 6 and resumed.summary["resumed_from"].endswith("ckpt-00000006.pt")
     assert resumed.summary["steps"] == straight.summary["steps"] == 12
     assert differing(straight.weights, resumed.weights) == []
+    # and the comparison tells runs apart: the first half's weights are not the end's
+    assert "fc.weight" in differing(straight.weights, half.weights)
