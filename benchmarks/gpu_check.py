@@ -32,12 +32,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import threading
 import xml.etree.ElementTree as ET
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,27 +155,50 @@ def run_tests(python: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         junit = Path(d) / "junit.xml"
         cmd = tests_command(python, junit)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=child_env(), timeout=TESTS_TIMEOUT_S).returncode
+            rc = proc.wait(timeout=TESTS_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # pytest's session: it and the runs it started
+            proc.wait()
             rc = None
         counts = pytest_counts(junit.read_text()) if junit.exists() else {}
     return {**counts, "exit_status": rc, "command": " ".join(cmd)}
 
 
 def run_bench(cmd: list[str]) -> dict:
-    """The benchmark's JSON (its stdout); its progress (stderr) goes to this terminal."""
+    """The benchmark's JSON (its stdout). Its progress (stderr) goes on to this terminal as it
+    comes; the last lines of it stay with the error of a benchmark that failed. It runs in a
+    session of its own, so that a timeout ends its processes and theirs."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    tail: deque[str] = deque(maxlen=20)
+    out: list[str] = []
+
+    def relay() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            tail.append(line)
+
+    readers = [threading.Thread(target=relay, daemon=True),
+               threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)]
+    for r in readers:
+        r.start()
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True,
-                           timeout=BENCH_TIMEOUT_S)
+        proc.wait(timeout=BENCH_TIMEOUT_S)
+        error = f"exited {proc.returncode}" if proc.returncode else None
     except subprocess.TimeoutExpired:
-        return {"error": f"did not finish in {BENCH_TIMEOUT_S} s"}
-    if r.returncode:
-        return {"error": f"exited {r.returncode}", "stdout_tail": r.stdout[-2000:]}
+        os.killpg(proc.pid, signal.SIGKILL)  # the benchmark's session: it and the processes it started
+        proc.wait()
+        error = f"did not finish in {BENCH_TIMEOUT_S} s"
+    for r in readers:
+        r.join(timeout=30)  # a process it left behind may hold the pipes open
+    if error:
+        return {"error": error, "stderr_tail": "".join(tail)}
     try:
-        return last_json(r.stdout)
+        return last_json("".join(out))
     except ValueError as e:
-        return {"error": str(e), "stdout_tail": r.stdout[-2000:]}
+        return {"error": str(e), "stdout_tail": "".join(out)[-2000:]}
 
 
 def main() -> int:
@@ -196,7 +222,7 @@ def main() -> int:
     say(f"{gpus} x {info['device']}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
         f"commit {info['git_commit'][:12]}")
     t0 = time.perf_counter()
-    say("[1/4] GPU tests: pytest -m gpu tests/gpu")
+    say(f"[1/4] GPU tests: {' '.join(tests_command('python', Path('JUNIT'))[1:5])}")
     tests = run_tests(sys.executable)
     say(f"GPU tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('errors', 0)} "
         f"errors, {tests.get('skipped', 0)} skipped (exit status {tests['exit_status']})")
@@ -207,8 +233,8 @@ def main() -> int:
         t = time.perf_counter()
         benchmarks[name] = run_bench(cmd)
         b = benchmarks[name]
-        figure = b["error"] if "error" in b else \
-            f"ratio {b.get('ratio', b.get('min_ratio', b.get('max_ratio')))}"
+        ratio = b.get("ratio", b.get("min_ratio", b.get("max_ratio")))
+        figure = b["error"] if "error" in b else f"ratio {ratio:.3f}" if ratio is not None else "done"
         say(f"{name}: {figure} ({time.perf_counter() - t:.0f} s)")
     result = assemble(info, tests, benchmarks, commands)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -219,7 +245,7 @@ def main() -> int:
         say(f"images/s per GPU: scaletrain {g['scaletrain']:.1f}, bare DDP {g['bare_ddp']:.1f}, ratio {g['ratio']:.3f} "
             f"({g['replicas']} replica{'s' * (g['replicas'] > 1)})")
     ok = passed(result)
-    say(f"{'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; wrote {out.relative_to(ROOT)}")
+    say(f"{'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; wrote {out}")
     return 0 if ok else 1
 
 

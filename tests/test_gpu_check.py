@@ -112,3 +112,14 @@ def test_benchmarks_run_at_resnet50_224_on_the_gpus_there_are():
         assert "--model resnet50 --image-size 224" in cmd and "--device cuda" in cmd
         assert "--precision bf16 --channels-last" in cmd
     assert four["ps_path"][-2:] == ["--device", "cuda"]
+
+
+def test_a_benchmark_that_fails_or_hangs_is_an_error_with_its_last_words(monkeypatch):
+    failing = [sys.executable, "-c", "import sys; print('working', file=sys.stderr); sys.exit('no GPU here')"]
+    b = gpu_check.run_bench(failing)
+    assert b["error"] == "exited 1" and "working" in b["stderr_tail"] and "no GPU here" in b["stderr_tail"]
+    monkeypatch.setattr(gpu_check, "BENCH_TIMEOUT_S", 1)
+    b = gpu_check.run_bench([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert b["error"] == "did not finish in 1 s"
+    printing = "import json; print('progress'); print(json.dumps({'x': 1}))"
+    assert gpu_check.run_bench([sys.executable, "-c", printing]) == {"x": 1}
