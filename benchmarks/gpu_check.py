@@ -37,8 +37,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import threading
+import time
 import xml.etree.ElementTree as ET
 from collections import deque
 from pathlib import Path
@@ -222,7 +222,7 @@ def main() -> int:
     say(f"{gpus} x {info['device']}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
         f"commit {info['git_commit'][:12]}")
     t0 = time.perf_counter()
-    say(f"[1/4] GPU tests: {' '.join(tests_command('python', Path('JUNIT'))[1:5])}")
+    say("[1/4] GPU tests: pytest -m gpu tests/gpu")
     tests = run_tests(sys.executable)
     say(f"GPU tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('errors', 0)} "
         f"errors, {tests.get('skipped', 0)} skipped (exit status {tests['exit_status']})")
