@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test unit install slurm clean
+.PHONY: demo test unit install slurm clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,17 @@ UNIT := tests/test_plan.py tests/test_config.py tests/test_device.py tests/test_
         tests/test_optim.py tests/test_models.py tests/test_doctor.py
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q $(UNIT) -k "not two_node"
+
+# The GPU tests (tests/gpu) and the benchmarks at ResNet-50 224 px, one JSON in benchmarks/results/;
+# one line and nothing run without CUDA. PY_GPU=python3 uses a Python that already has a CUDA torch
+# (benchmarks/gpu_check.py says why), with this checkout's src, instead of .venv.
+ifdef PY_GPU
+gpu-check:
+	@PYTHONPATH=$(CURDIR)/src $(PY_GPU) benchmarks/gpu_check.py
+else
+gpu-check: $(STAMP)
+	@$(BIN)/python benchmarks/gpu_check.py
+endif
 
 clean:
 	rm -rf $(VENV) runs

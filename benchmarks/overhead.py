@@ -5,7 +5,12 @@ and synchronise the device before reading the clock. Runs alternate
 (bare, scaletrain, bare, ...) so drifts in machine load hit both; the figure
 is the ratio of medians. Prints one JSON object.
 
+On a GPU both use the same precision and memory format (--precision bf16: autocast
+in the forward pass; --channels-last) and cuDNN's autotuner, as scaletrain does
+outside train.deterministic.
+
     python benchmarks/overhead.py [--model resnet20 --image-size 32 --batch 64 --steps 60 --repeats 3]
+                                  [--device cuda --precision bf16 --channels-last]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -29,19 +35,26 @@ from scaletrain.train import pick_device, train
 def bare_loop(cfg, steps: int, warmup: int) -> float:
     """The loop a user would write by hand: tensors already in memory, no loader."""
     device = pick_device(cfg)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = True  # as scaletrain's non-deterministic runs
+    fmt = torch.channels_last if cfg.train.channels_last and cuda else torch.contiguous_format
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cfg.train.precision == "bf16" and cuda \
+        else nullcontext()
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(device)
+    model = build_model(cfg.model).to(device, memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum,
                           weight_decay=cfg.optim.weight_decay)
     train_set, _, _ = build_datasets(cfg)
     b = cfg.data.batch_size
     batch = collate([(*train_set[i], None) for i in range(b)])  # uint8 pixels, made the network's input once
-    xs, ys = Prepare([], train_set.stats, device)(batch)
+    xs, ys = Prepare([], train_set.stats, device, fmt is torch.channels_last)(batch)
     for i in range(warmup + steps):
         if i == warmup:
-            sync(device)
+            sync(device)  # host-device sync: the clock starts after the warm-up's queued work
             t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(xs), ys)
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(model(xs).float(), ys)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -64,13 +77,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0, help="scaletrain loader processes")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="bf16: autocast, CUDA only")
+    ap.add_argument("--channels-last", action="store_true", help="the channels_last format, CUDA only")
     a = ap.parse_args()
     cfg = build_config({
         "model": {"name": a.model, "num_classes": 10},
         "data": {"name": "synthetic", "image_size": a.image_size, "batch_size": a.batch, "workers": a.workers,
                  "synthetic_size": a.batch * (a.steps + a.warmup) * 4},
         "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4},
-        "train": {"steps": a.steps + a.warmup, "warmup_log_steps": a.warmup, "log_every": 10, "device": a.device},
+        "train": {"steps": a.steps + a.warmup, "warmup_log_steps": a.warmup, "log_every": 10, "device": a.device,
+                  "precision": a.precision, "channels_last": a.channels_last},
     })
     bare, ours = [], []
     for _ in range(a.repeats):
@@ -81,6 +97,8 @@ def main() -> None:
         "steps": a.steps, "repeats": a.repeats, "loader_workers": a.workers,
         "bare_images_per_sec": bare, "scaletrain_images_per_sec": ours,
         "ratio": statistics.median(ours) / statistics.median(bare),
+        **({"precision": a.precision} if a.precision != "fp32" else {}),
+        **({"channels_last": True} if a.channels_last else {}),
         **run_info(pick_device(cfg)),
     }, indent=2))
 

@@ -16,7 +16,14 @@ push-pull cycle plus a short compute. Measured:
 Prints one JSON object: seconds per cycle, effective GB/s (the bytes a cycle
 moves in and out of the pushers over its seconds) and the ratio to the floor.
 
-    python benchmarks/ps_path.py [--shards 1 2 4] [--steps 12] [--compression none]
+--device cuda puts the worker side on the GPU (one each while there are two,
+else both on GPU 0 with cluster.backend = 'gloo'), as scaletrain runs it: the
+gradient on the GPU, one copy of each shard's slice into pinned host memory,
+the replies received into pinned memory and copied back to the GPU. The floor
+does the same copies, synchronising the GPU before it sends and before the clock.
+The shards stay on CPUs either way.
+
+    python benchmarks/ps_path.py [--shards 1 2 4] [--steps 12] [--compression none] [--device cuda]
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import json, sys, time, torch, torch.distributed as dist
 from scaletrain.config import load_config
 from scaletrain.optim import build_optimizer
 rank, world, port, numel, cycles, recipe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+cuda = sys.argv[7] == "cuda" and rank >= world - 2  # the pushers' side on a GPU
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 shards, pushers = world - 2, [world - 2, world - 1]
@@ -56,10 +64,19 @@ if rank < shards:
     w = torch.nn.Parameter(torch.zeros(sizes[rank]))
     opt = build_optimizer(load_config(recipe, ["optim.name=sgd", "optim.momentum=0.9"]).optim, [w])
     acc, buf = torch.empty(sizes[rank]), torch.empty(sizes[rank])
-else:
+elif not cuda:
     g, vals = torch.randn(numel), [torch.empty(n) for n in sizes]  # kept, as scaletrain keeps its buffers
+else:
+    dev = torch.device("cuda", (rank - shards) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    g = torch.randn(numel, device=dev)
+    out = [torch.empty(n, pin_memory=True) for n in sizes]  # each shard's slice, on the host
+    vals = [torch.empty(n, pin_memory=True) for n in sizes]
+    back = [torch.empty(n, device=dev) for n in sizes]  # the replies, on the GPU
 for c in range(cycles + 2):
     if c == 2:
+        if cuda:
+            torch.cuda.synchronize()  # host-device sync before the clock
         dist.barrier()
         t0 = time.perf_counter()
     if rank < shards:
@@ -69,6 +86,18 @@ for c in range(cycles + 2):
         opt.step()
         for p in pushers:
             dist.send(w.detach(), dst=p)
+    elif cuda:
+        off = 0
+        for k, n in enumerate(sizes):
+            out[k].copy_(g[off:off + n], non_blocking=True)
+            off += n
+        torch.cuda.synchronize()  # host-device sync: the slices are on the host (and last cycle's replies back)
+        works = [dist.irecv(v, src=k) for k, v in enumerate(vals)]
+        works += [dist.isend(o, dst=k) for k, o in enumerate(out)]
+        for x in works:
+            x.wait()
+        for b, v in zip(back, vals):
+            b.copy_(v, non_blocking=True)
     else:
         works = [dist.irecv(v, src=k) for k, v in enumerate(vals)]
         off = 0
@@ -77,19 +106,21 @@ for c in range(cycles + 2):
             off += n
         for x in works:
             x.wait()
+if cuda:
+    torch.cuda.synchronize()  # host-device sync before the clock
 dist.barrier()
 if rank == world - 1:
     print(json.dumps((time.perf_counter() - t0) / cycles))
 '''
 
 
-def floor(shards: int, numel: int, cycles: int) -> float:
+def floor(shards: int, numel: int, cycles: int, device: str = "cpu") -> float:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "floor.py"
         script.write_text(FLOOR)
         port, world = str(free_port("127.0.0.1")), shards + 2
         procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(numel), str(cycles),
-                                   str(ROOT / "recipes/digits.toml")], stdout=subprocess.PIPE, text=True)
+                                   str(ROOT / "recipes/digits.toml"), device], stdout=subprocess.PIPE, text=True)
                  for r in range(world)]
         outs = [p.communicate()[0] for p in procs]
         if any(p.returncode for p in procs):
@@ -119,7 +150,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="more scaletrain settings")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the pushers' side runs")
     a = ap.parse_args()
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"ps_path: --device cuda, but torch {torch.__version__} sees no CUDA GPU")
+    # Two emulated nodes on one host: a GPU each, or both on GPU 0 with gloo between them (plan.gpu_map).
+    backend = "gloo" if cuda and torch.cuda.device_count() < 2 else "auto"
+    where = [f"train.device={a.device}", *([f"cluster.backend={backend}"] if cuda else [])]
     from scaletrain.models import build_model
     from scaletrain.config import ModelConfig
 
@@ -128,8 +166,8 @@ def main() -> None:
     for shards in a.shards:
         ours, bare = [], []
         for _ in range(a.repeats):  # alternating, so the host's spells hit both
-            bare.append(floor(shards, numel, a.steps))
-            ours.append(scaletrain_cycle(shards, a.steps, a.sets))
+            bare.append(floor(shards, numel, a.steps, a.device))
+            ours.append(scaletrain_cycle(shards, a.steps, [*where, *a.sets]))
             print(f"{shards} shards: floor {bare[-1]:.3f} s, scaletrain {ours[-1]['cycle_s']:.3f} s",
                   file=sys.stderr, flush=True)
         cycle, fl = statistics.median(o["cycle_s"] for o in ours), statistics.median(bare)
@@ -139,7 +177,9 @@ def main() -> None:
                      "floor_GBps": round(moved / fl / 1e9, 3), "runs": ours, "floor_runs": bare})
     print(json.dumps({"benchmark": "ps_path", "parameters": numel, "gradient_MB": round(numel * 4 / 1e6, 1),
                       "pushers": 2, "emulated_compute_s": COMPUTE_S, "settings": a.sets, "rows": rows,
-                      "max_ratio": max(r["ratio"] for r in rows), **run_info(torch.device("cpu"))}, indent=1))
+                      "max_ratio": max(r["ratio"] for r in rows),
+                      **({"pushers_on": "cuda", "cluster_backend": backend} if cuda else {}),
+                      **run_info(torch.device("cuda", 0) if cuda else torch.device("cpu"))}, indent=1))
 
 
 if __name__ == "__main__":
