@@ -26,7 +26,7 @@ def sets(*overrides):
 # --- scaletrain plan ---------------------------------------------------------------------------
 
 def test_plan_reads_as_the_study(capsys):
-    assert main(["plan", "--recipe", DIGITS, *sets("cluster.nodes=2", "cluster.gpus_per_node=4",
+    assert main(["plan", "--recipe", DIGITS, *sets("cluster.nodes=2", "cluster.gpus_per_node=4", "train.device=auto",
                                                    "cluster.num_ps=1", "strategy.name=sync")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:3] == ["2 nodes (2 with workers, 0 PS-only), 9 processes",
@@ -57,7 +57,8 @@ def test_plan_invalid_is_one_line(capsys, overrides, pattern):
 
 def test_sbatch_format_asks_for_the_plan(capsys, tmp_path):
     assert main(["plan", "--recipe", DIGITS, "--format", "sbatch", "--run-dir", str(tmp_path / "r"),
-                 *sets("cluster.nodes=2", "cluster.gpus_per_node=4", "cluster.num_ps=1", "strategy.name=sync")]) == 0
+                 *sets("cluster.nodes=2", "cluster.gpus_per_node=4", "cluster.num_ps=1", "strategy.name=sync",
+                       "train.device=auto")]) == 0
     text = capsys.readouterr().out
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --gpus-per-node=4\n" in text
     assert f"-m scaletrain train --recipe {DIGITS} --set cluster.nodes=2" in text

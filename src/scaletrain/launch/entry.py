@@ -34,12 +34,18 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
     try:
         plan = launch_env.plan_for(cfg)
         seat = launch_env.seat(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
-        if plan.procs[seat.rank].role == "worker":  # its GPUs, on this host (a PS uses none: its host may have none)
-            plan = launch_env.plan_for(cfg, facts())
     except (LaunchError, PlanError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     rank = seat.rank
+    try:
+        if plan.procs[rank].role == "worker":  # its GPUs, on this host (a PS uses none: its host may have none)
+            plan = launch_env.plan_for(cfg, facts())
+    except PlanError as e:
+        record(run_dir, plan, seat)  # where it was to run, for the operator
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"scaletrain: error: {plan.describe(rank)} on {host}: {e}", file=sys.stderr, flush=True)
+        return 2
     given = launcher_threads(os.environ.get("SCALETRAIN_THREADS", ""), rank)
     if given and plan.procs[rank].role == "ps":  # train.threads is a worker's; a PS takes its budget's
         torch.set_num_threads(given)
