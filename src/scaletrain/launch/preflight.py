@@ -82,7 +82,8 @@ def partition_nodes(partition: str, run=subprocess.run) -> tuple[str, list[Node]
     except subprocess.TimeoutExpired:
         return "sinfo did not answer in 30 s"
     if r.returncode:
-        return f"sinfo: {(r.stderr.strip().splitlines() or ['exit status %d' % r.returncode])[-1]}"
+        said = (r.stderr.strip().splitlines() or ["exit status %d" % r.returncode])[-1]
+        return f"sinfo: {said.removeprefix('sinfo: ')}"  # its own messages start with its name
     rows = [line.split("|") for line in r.stdout.splitlines() if line.count("|") == 4]
     if not partition:
         default = {p for _, p, *_ in rows if p.endswith("*")}
