@@ -59,8 +59,9 @@ def test_gpu_tests_are_all_marked_and_skipped_without_a_gpu(tmp_path):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_gpu_check_with_py_gpu_leaves_the_venv_alone():
-    r = subprocess.run(["make", "-n", "gpu-check", "PY_GPU=python3"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    # --no-print-directory: under `make test` this make is nested, and would say which directory it enters.
+    r = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "PY_GPU=python3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"PYTHONPATH={ROOT}/src python3 benchmarks/gpu_check.py"
 
