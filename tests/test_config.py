@@ -39,7 +39,7 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("override, pattern", [
-    ("model.colour=red", r"unknown key model\.colour .*model keys are name, num_classes"),
+    ("model.colour=red", r"unknown key model\.colour in --set 'model.colour=red'; model keys are name, num_classes"),
     ("modle.name=resnet8", r"key must be SECTION\.KEY"),
     ("model.norm=layer", r"model\.norm = 'layer': not allowed; choose one of batch, group"),
     ("data.batch_size=0", r"data\.batch_size = 0: out of range \[1, 4096\]"),

@@ -291,6 +291,7 @@ def check_value(key: str, value: Any, f: dataclasses.Field, typ: type) -> Any:
 def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str = "recipe") -> Config:
     """Config from a nested dict plus KEY=VALUE overrides; raises ConfigError."""
     merged: dict[str, dict[str, Any]] = {}
+    given: dict[str, str] = {}  # SECTION.KEY -> the --set that gave it: an error names that, not the recipe
     for sec, table in recipe.items():
         if sec not in SECTIONS:
             raise ConfigError(f"{origin}: unknown section [{sec}]; sections are {', '.join(SECTIONS)}")
@@ -303,6 +304,7 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
             raise ConfigError(f"--set {item!r}: key must be SECTION.KEY with SECTION one of "
                               f"{', '.join(SECTIONS)}")
         merged.setdefault(path[0], {})[path[1]] = value
+        given[".".join(path)] = item
     hints = get_type_hints(Config)
     built = {}
     for sec, table in merged.items():
@@ -312,7 +314,8 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
         kw = {}
         for k, v in table.items():
             if k not in known:
-                raise ConfigError(f"unknown key {sec}.{k} in {origin}; {sec} keys are {', '.join(known)}")
+                where = f"--set {given[f'{sec}.{k}']!r}" if f"{sec}.{k}" in given else origin
+                raise ConfigError(f"unknown key {sec}.{k} in {where}; {sec} keys are {', '.join(known)}")
             kw[k] = check_value(f"{sec}.{k}", v, known[k], types[k])
         built[sec] = cls(**kw)
     cfg = Config(**built)
