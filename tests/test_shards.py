@@ -170,6 +170,38 @@ def test_pack_command_writes_webdataset_shards(tmp_path, env):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--shard-size 'lots' is not a size" in bad.stderr
 
 
+def pack_recipe(tmp_path):
+    write_manifest(tmp_path, 6)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[data]\nname = "manifest"\nroot = "{tmp_path / "m.csv"}"\n')
+    return str(recipe)
+
+
+def test_pack_out_that_is_a_file_is_refused(tmp_path, capsys):
+    from scaletrain.cli import main
+
+    a_file = tmp_path / "x.tar"
+    a_file.write_bytes(b"mine")
+    assert main(["pack", "--recipe", pack_recipe(tmp_path), "--quiet", "--out", str(a_file)]) == 2
+    assert capsys.readouterr().err == f"scaletrain: error: --out {a_file} is a file, not a directory\n"
+    assert a_file.read_bytes() == b"mine"
+
+
+def test_pack_out_holding_other_files_is_refused(tmp_path, capsys):
+    from scaletrain.cli import main
+
+    recipe = pack_recipe(tmp_path)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    (busy / "index.json.bak").write_text("{}")
+    assert main(["pack", "--recipe", recipe, "--quiet", "--out", str(busy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"scaletrain: error: --out {busy} holds 2 files that are not shards") and \
+        err.count("\n") == 1 and "give a new or empty directory" in err, err
+    assert sorted(p.name for p in busy.iterdir()) == ["index.json.bak", "notes.txt"]
+
+
 def test_parse_size():
     assert parse_size("1GB") == 10**9 and parse_size("256MiB") == 2**28 and parse_size("1000") == 1000
     with pytest.raises(ValueError):

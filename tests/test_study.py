@@ -111,6 +111,30 @@ def test_grid_and_until_parsing():
 
 
 
+@pytest.mark.parametrize("command, grid, says", [
+    ("study", "cluster.nodes=1,x", "--grid cluster.nodes=x: cluster.nodes = 'x': expected int"),
+    ("bench", "foo.bar=1,2", "--grid foo.bar=1: "),
+    ("bench", "cluster.nodes=1,,2", "--grid 'cluster.nodes=1,,2': an empty value"),
+    ("bench", "cluster.num_ps=0,1", "--grid cluster.num_ps=1: cluster.num_ps = 1: this strategy uses no parameter"),
+])
+def test_a_bad_grid_value_fails_before_any_cell_runs(tmp_path, capsys, command, grid, says):
+    out = tmp_path / "sweep"
+    assert main([command, "--recipe", DIGITS, "--set", "data.workers=0", "--set", "train.steps=2",
+                 "--grid", grid, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"scaletrain: error: {says}") and err.count("\n") == 1, err
+    assert not (out / "cells").exists() and not list(out.glob("*.jsonl"))
+
+
+def test_check_cells_names_the_first_cell_whose_relations_fail():
+    from scaletrain.bench import check_cells
+
+    backup = ["strategy.name=backup", "cluster.num_ps=1", "strategy.backup_workers=1"]
+    check_cells(DIGITS, backup, [({"cluster.nodes": "2"}, [])])
+    with pytest.raises(GridError, match=r"^--grid cluster.nodes=1: strategy.backup_workers = 1: must be below"):
+        check_cells(DIGITS, backup, [({"cluster.nodes": "2"}, []), ({"cluster.nodes": "1"}, [])])
+
+
 @pytest.mark.parametrize("command", ["bench", "study", "predict"])
 def test_several_grid_entries_after_one_flag(command):
     from scaletrain.cli import _parser

@@ -6,13 +6,15 @@ or Slurm inside an allocation) of warm-up + measured steps, with the first
 per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
 standard error and jitter, bytes per step, staleness), then speedup and
 efficiency (figures.py) are added and the table printed and written to
-OUT/bench.md. Speedup is against one node with no distribution
-(figures.BASELINE, every other key the same): where the grid lacks that
-cell, it runs first, once per distinct set of other keys, as a row marked
-`added_baseline`. A cell that cannot run (e.g. an impossible placement) is a
-row with its error; the others still run. With --repeats R the grid runs R
-times over, pass after pass, so that a slow spell of a shared host falls on
-every cell alike rather than on a few (OUT/cells/NAME-runJ; a cell whose run
+OUT/bench.md. Every cell's config and placement is checked before the
+first one runs (check_cells): a bad grid value ends the sweep in one line.
+Speedup is against one node with no distribution (figures.BASELINE, every
+other key the same): where the grid lacks that cell, it runs first, once
+per distinct set of other keys, as a row marked `added_baseline`. A cell
+that fails as it runs (an added baseline, which is not checked, or one
+that needs more than this host has) is a row with its error; the others
+still run. With --repeats R the grid runs R times over, pass after pass,
+so that a slow spell of a shared host falls on every cell alike rather than on a few (OUT/cells/NAME-runJ; a cell whose run
 fails is not run again, and rows are written in the last pass): the row's
 images/s is the mean over runs, its standard error that of the mean of the
 runs' own, and images_per_sec_runs / images_per_sec_run_stderr (std across runs / sqrt(R))
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .errors import ConfigError, GridError, Stopped
+from .errors import ConfigError, GridError, PlanError, Stopped
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
@@ -52,8 +54,10 @@ def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, 
     for item in items:
         key, sep, values = item.partition("=")
         keys = tuple(k.strip() for k in key.split("+"))
-        vals = [tuple(x.strip() for x in v.split(":")) for v in values.split(",") if v.strip()]
-        if not sep or not all(keys) or not vals or any(len(v) != len(keys) for v in vals):
+        vals = [tuple(x.strip() for x in v.split(":")) for v in values.split(",")]
+        if sep and values.strip() and not all(x for v in vals for x in v):
+            raise GridError(f"--grid {item!r}: an empty value; every value between commas (and colons) needs one")
+        if not sep or not all(keys) or not values.strip() or any(len(v) != len(keys) for v in vals):
             raise GridError(f"--grid {item!r}: write KEY=V1,V2,... (e.g. cluster.nodes=1,2,4) or "
                             "K1+K2=A1:A2,B1:B2 for keys that move together")
         grid.append((keys, vals))
@@ -69,6 +73,29 @@ def cells(grid) -> list[dict[str, str]]:
             cell.update(zip(keys, values))
         out.append(cell)
     return out
+
+
+def cell_sets(overrides: list[str], cell: dict[str, str], extra: list[str]) -> list[str]:
+    """The --set list a cell runs with: the user's overrides, the cell's keys, then what the sweep sets."""
+    return [*overrides, *(f"{k}={v}" for k, v in cell.items()), *extra]
+
+
+def check_cells(recipe: str, overrides: list[str], todo: list[tuple[dict[str, str], list[str]]]) -> None:
+    """GridError naming the first (cell, extra sets) whose config or placement (without this host's
+    facts) is invalid, in ConfigError's or PlanError's own words: a bad value in the grid ends the
+    sweep before any cell runs, not as a row after the others have trained."""
+    from .config import load_config
+    from .launch.env import plan_for
+
+    for cell, extra in todo:
+        try:
+            plan_for(load_config(recipe, cell_sets(overrides, cell, extra)))
+        except (ConfigError, PlanError) as e:
+            raise GridError(f"--grid {', '.join(f'{k}={v}' for k, v in cell.items())}: {e}") from None
+
+
+def data_sets(data: str) -> list[str]:
+    return ["data.name=synthetic"] if data == "synthetic" else []
 
 
 def cell_name(i: int, cell: dict[str, str], data: str) -> str:
@@ -138,12 +165,14 @@ def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str,
 
 def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
         out: Path, pair_synthetic: bool = False, progress: bool = True, repeats: int = 1) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
     plan = [(c, d) for c in cells(grid) for d in (("real", "synthetic") if pair_synthetic else ("real",))]
-    extra = baseline_cells(recipe, overrides, plan)  # run first: a sweep cut short still has its speedups
-    plan = [(c, d, True) for c, d in extra] + [(c, d, False) for c, d in plan]
     timing = [f"train.steps={warmup + steps}", f"train.warmup_log_steps={warmup}", *IMPOSED,
               f"train.log_every={max(1, steps // 8)}"]
+    # the grid's own cells only: an added baseline that cannot run is a row with its error, as before
+    check_cells(recipe, overrides, [(c, [*timing, *data_sets(d)]) for c, d in plan])
+    extra = baseline_cells(recipe, overrides, plan)  # run first: a sweep cut short still has its speedups
+    plan = [(c, d, True) for c, d in extra] + [(c, d, False) for c, d in plan]
+    out.mkdir(parents=True, exist_ok=True)
     runs: list[list] = [[] for _ in plan]  # per cell, (row part, summary) of each pass
     rows = []
     with open(out / "bench.jsonl", "w") as fh:
@@ -154,8 +183,7 @@ def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
                 if not runs[i] or runs[i][-1][1] is not None:
                     print(f"[{i + 1}/{len(plan)}]{f' pass {j + 1}/{repeats}' if repeats > 1 else ''} {label}",
                           flush=True)
-                    sets = [*overrides, *(f"{k}={v}" for k, v in cell.items()), *timing,
-                            *(["data.name=synthetic"] if data == "synthetic" else [])]
+                    sets = cell_sets(overrides, cell, [*timing, *data_sets(data)])
                     name = cell_name(i, cell, data) + (f"-run{j + 1}" if repeats > 1 else "")
                     part: dict[str, Any] = {}
                     runs[i].append((part, run_cell(recipe, sets, out, name, part)))
@@ -200,18 +228,17 @@ def stopped(e: Stopped, rows: Path) -> int:
 
 
 def main(args) -> int:
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         grid = parse_grid(args.grid)
         if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
             raise GridError(f"--steps {args.steps} --warmup {args.warmup} --repeats {args.repeats}: need "
                             "steps >= 1, warmup >= 0 and repeats >= 1")
-    except GridError as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
         rows = run(args.recipe, args.overrides, grid, args.warmup, args.steps, out, args.pair_synthetic,
                    repeats=args.repeats)
+    except GridError as e:  # raised before any cell runs (check_cells)
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
     except Stopped as e:
         return stopped(e, out / "bench.jsonl")
     print(f"bench: {sum(not r.get('error') for r in rows)}/{len(rows)} cells measured; rows in {out / 'bench.jsonl'}")

@@ -59,16 +59,17 @@ def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
         progress: bool = True) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
     length = until_sets(until)
     rows = []
     todo = bench.cells(grid)
+    bench.check_cells(recipe, overrides, [(c, length) for c in todo])
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "study.jsonl", "w") as fh:
         for i, cell in enumerate(todo):
             label = ", ".join(f"{k}={v}" for k, v in cell.items())
             print(f"[{i + 1}/{len(todo)}] {label}", flush=True)
             row: dict[str, Any] = {"cell": cell, "label": label, "until": list(until) if until else None}
-            s = bench.run_cell(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items()), *length], out,
+            s = bench.run_cell(recipe, bench.cell_sets(overrides, cell, length), out,
                                bench.cell_name(i, cell, "real"), row)
             if s is not None:
                 row.update({k: s.get(k) for k in bench.KEEP})
@@ -125,16 +126,15 @@ def study_table(rows: list[dict[str, Any]], until) -> str:
 
 
 def main(args) -> int:
+    out = Path(args.out or f"runs/study-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         grid = bench.parse_grid(args.grid)
         until = parse_until(args.until)
         load_config(args.recipe, [*args.overrides, *until_sets(until)])  # e.g. a target with no evaluations
+        rows = run(args.recipe, args.overrides, grid, until, out)  # a bad cell: GridError before any runs
     except (bench.GridError, UntilError, ConfigError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"runs/study-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        rows = run(args.recipe, args.overrides, grid, until, out)
     except Stopped as e:
         return bench.stopped(e, out / "study.jsonl")
     print(f"study: {sum(not r.get('error') for r in rows)}/{len(rows)} configurations trained; rows in "

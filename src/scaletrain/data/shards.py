@@ -39,12 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from . import decode
 from .sources import IMAGENET, file_lists
 
 FORMAT = "scaletrain-shards 1"
 PACK_SEED = 0  # the order samples are packed in; reading shuffles again each epoch
+# The names a pack writes (an unfinished one leaves some of them, and a new pack may write over those).
+_PACK_NAMES = re.compile(r"(train|test)-\d{6}\.tar(\.part)?|index\.json|offsets\.npz|sources-(train|test)\.txt")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -112,10 +114,9 @@ def pack(cfg, out: str | Path, shard_bytes: int, workers: int = 0, progress: boo
     if cfg.data.name not in ("imagefolder", "manifest"):
         raise DataError(f"data.name = {cfg.data.name!r}: scaletrain pack reads an image folder or a manifest "
                         "(data.name = 'imagefolder' or 'manifest', with data.root)")
-    train, test, classes = file_lists(cfg)
     out = Path(out)
-    if (out / "index.json").exists() or any(out.glob("*.tar")):
-        raise DataError(f"--out {out}: already holds shards; choose an empty directory")
+    check_out(out)
+    train, test, classes = file_lists(cfg)
     out.mkdir(parents=True, exist_ok=True)
     index = {"format": FORMAT, "classes": classes, "source": cfg.data.root, "skipped": [], "splits": {}}
     arrays, total = {}, len(train[0]) + len(test[0])
@@ -150,6 +151,20 @@ def pack(cfg, out: str | Path, shard_bytes: int, workers: int = 0, progress: boo
     np.savez(out / "offsets.npz", **arrays)
     (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")  # last: its presence marks a finished pack
     return index
+
+
+def check_out(out: Path) -> None:
+    """Refuse an --out that is not a new or empty directory, before anything is written: a file,
+    a directory with shards in it, or one holding files a pack does not write (a user's, which
+    the shards would be mixed with). What an unfinished pack left may be written over."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    if (out / "index.json").exists() or any(out.glob("*.tar")):
+        raise DataError(f"--out {out}: already holds shards; choose an empty directory")
+    other = sorted(p.name for p in out.iterdir() if not _PACK_NAMES.fullmatch(p.name)) if out.exists() else []
+    if other:
+        n = "1 file that is" if len(other) == 1 else f"{len(other)} files that are"
+        raise ConfigError(f"--out {out} holds {n} not shards of a pack (e.g. {other[0]}): give a new or empty directory")
 
 
 def buffer_shuffle(seq: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
