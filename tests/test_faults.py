@@ -282,3 +282,23 @@ def test_a_restart_leaves_the_failed_node_out_when_min_nodes_allows(tmp_path, en
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["images"] == 60 * 3 * 32 and s["steps"] == 90  # the job's target, in images, is kept
     no_orphans(procs)
+
+
+def test_sigterm_during_start_up_is_a_stop_and_leaves_no_process(tmp_path, env):
+    """A stop signal forwarded while the processes still import torch or meet at the rendezvous:
+    they hold it until they can act on it, instead of dying of it (which the launcher took for a
+    failure)."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce")
+    deadline = time.time() + 60
+    while not (run_dir / "logs").exists():  # the launcher is starting its processes
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert not (run_dir / "metrics.jsonl").exists()  # before the first step
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 75, err
+    assert "stopped" in err.splitlines()[-1] and "failed" not in err, err
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert not left, left

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .bench import IMPOSED
 from .config import field_docs, load_config
-from .errors import USER_ERRORS, ConfigError, LaunchError, PlanError, Stopped
+from .errors import USER_ERRORS, ConfigError, Finished, LaunchError, PlanError, Stopped
 from .plan import format_table, node_line
 from .run import run_dir_for, run_training
 
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 1
+    except Finished as e:  # nothing to do: the run's results stand as they are
+        print(f"scaletrain: {e}")
+        return 0
     except Stopped as e:
         print(f"scaletrain: {e}", file=sys.stderr)
         return e.status

@@ -358,7 +358,12 @@ def catch_stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool) -> 
         ctx.stop_signal = ctx.stop_signal or signum
         ctx.requests |= STOP | CHECKPOINT
 
-    return {s: signal.signal(s, on_signal) for s in (getattr(signal, n) for n in names)}
+    sigs = [getattr(signal, n) for n in names]
+    before = {s: signal.signal(s, on_signal) for s in sigs}
+    # A launcher may have started this process with them held (launch/local.py): one that came
+    # during start-up is acted on now, as a stop at the next agreed step.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+    return before
 
 
 @contextmanager

@@ -67,5 +67,11 @@ class Stopped(Exception):
         self.status = status
 
 
+class Finished(Exception):
+    """The run directory holds a run that is over for this config (its final checkpoint reached the
+    job's target and its summary.json was written): nothing was run and no file was touched. Not an
+    error; str() says in one line where the results are."""
+
+
 # Raised while a job runs, from inputs the user controls: printed as one line with exit status 1.
 USER_ERRORS = (RunError, DataError, PretrainedError, CheckpointError)

@@ -15,6 +15,7 @@ chief decides reaches the others as the shards' DONE.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from .compute import Backprop, Emulated, keep_freed_memory
 from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
-from .errors import RunError
+from .errors import Finished, RunError
 from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, lr_at
@@ -69,7 +70,8 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
     """Checks made before any process starts (and before a launcher writes config.toml, so a
     refused run leaves the directory as it was), then the directory. Returns whether the run
     continues from a checkpoint: with --resume, or on its own when the directory holds a
-    checkpoint written with this config (one with another config is refused, naming the keys)."""
+    checkpoint written with this config (one with another config is refused, naming the keys).
+    Raises Finished when that run is over for this config (finished_at): a run is never overwritten."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--run-dir {run_dir} is a file, not a directory")
     try:
@@ -85,9 +87,31 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
         return resume
     state, path, _ = found
     checkpoint.check_config(path, state["config"], cfg.flat())
+    over = finished_at(run_dir, cfg, state)
+    if over is not None:  # running it again would only overwrite its results with those of zero steps
+        raise Finished(f"{run_dir} holds a finished run (step {state['step']}, the target of {over} steps): "
+                       f"its results are in {run_dir / 'summary.json'}; nothing was run "
+                       "(raise train.steps or train.epochs to continue it)")
     if not resume:
         log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name, state["step"])
     return True
+
+
+def finished_at(run_dir: Path, cfg: Config, state: dict[str, Any]) -> int | None:
+    """The job steps of cfg's target when the run in run_dir is over for cfg: its newest checkpoint
+    (state) reached the target and the chief wrote summary.json; None while there is work left. A
+    target in epochs is counted over the training set the summary records (the data keys cannot
+    differ from the checkpoint's: check_config)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    train_images = summary.get("train_images") if isinstance(summary, dict) else None
+    if not cfg.train.steps and not train_images:
+        return None  # epochs over a training set of unknown size: building it is the job's work
+    sched = schedule.from_config(cfg, train_images or 0)
+    images = state.get("images", state["step"] * sched.step_images)  # checkpoints written before images were kept
+    return sched.steps if images >= sched.target else None
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,

@@ -17,9 +17,11 @@ the job's status is that of the others.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
 which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
-second one kills them at once. Every process is started with the kernel's
-parent-death signal set to SIGKILL: whatever kills the launcher, even
-kill -9, takes its processes with it.
+second one kills them at once. Each process holds them (blocked) from its
+start until its handlers are in place, so one sent during start-up is the same
+stop at the first agreed step, not a process killed half-started. Every
+process is started with the kernel's parent-death signal set to SIGKILL:
+whatever kills the launcher, even kill -9, takes its processes with it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from ..device import facts
@@ -74,9 +77,17 @@ def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
     return f"{plan.describe(rank)} {how}"
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it when the launcher dies, however it dies."""
+def _child_setup(held: list[int]) -> None:
+    """In the child, before exec: the kernel kills it when the launcher dies, however it dies; and the
+    stop signals are held (blocked, so they wait pending) until the process has its handlers
+    (dist.catch_stop_signals): one forwarded while it still imports torch or meets the others would
+    kill it, and the launcher would take that for a failure."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+
+
+def stop_signals_of(names: tuple[str, ...]) -> list[int]:
+    return [getattr(signal, n) for n in names]
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
@@ -85,6 +96,17 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     if cfg.cluster.master_port:
         check_port(addr, cfg.cluster.master_port)
     cfg = cfg.replace(**{"cluster.master_port": cfg.cluster.master_port or free_port(addr)})
+    held = stop_signals_of(cfg.cluster.stopping)
+    # Held here too until _Forward's handlers are in place: one that came while the processes are
+    # being started would kill the launcher, not stop the job.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        return _start(cfg, plan, addr, run_dir, resume, progress, held)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, progress: bool, held: list[int]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
@@ -103,7 +125,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
         cmd += [] if progress else ["--quiet"]
         out = None if p.rank == 0 else open(run_dir / "logs" / f"rank{p.rank}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      preexec_fn=_die_with_parent))
+                                      preexec_fn=partial(_child_setup, held)))
         if out:
             out.close()
     return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
@@ -115,7 +137,7 @@ class _Forward:
 
     def __init__(self, procs: list[subprocess.Popen], names: tuple[str, ...]) -> None:
         self.procs, self.signal, self.killed = procs, None, False
-        self.sigs = [getattr(signal, n) for n in names]
+        self.sigs = stop_signals_of(names)
 
     def __call__(self, signum, frame) -> None:
         if self.signal is None:
@@ -129,6 +151,7 @@ class _Forward:
 
     def __enter__(self):
         self.before = {s: signal.signal(s, self) for s in self.sigs}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.sigs)  # one held by launch() is forwarded now
         return self
 
     def __exit__(self, *exc) -> None:
