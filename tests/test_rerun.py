@@ -52,3 +52,16 @@ def test_a_finished_distributed_run_run_again_is_left_as_it_is(tmp_path, env):
     r = train(run_dir, env, "train.steps=10", "cluster.nodes=2")
     assert r.returncode == 0, r.stderr
     assert_finished_untouched(run_dir, env, "train.steps=10", "cluster.nodes=2")
+
+
+def test_a_bench_cell_run_again_into_its_own_out_keeps_its_figures(tmp_path):
+    """A sweep run again into the same OUT: a finished cell's row is its summary, not an error."""
+    from scaletrain import bench
+
+    sets = [*SETS, "train.steps=5", "model.name=resnet8"]
+    first, second = {}, {}
+    summary = bench.run_cell(str(ROOT / "recipes" / "digits.toml"), sets, tmp_path, "cell", first)
+    before = files(tmp_path / "cells" / "cell")
+    again = bench.run_cell(str(ROOT / "recipes" / "digits.toml"), sets, tmp_path, "cell", second)
+    assert "error" not in second and again["images_per_sec"] == summary["images_per_sec"] > 0
+    assert files(tmp_path / "cells" / "cell") == before

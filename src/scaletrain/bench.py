@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures
-from .errors import ConfigError, GridError, PlanError, Stopped
+from .errors import ConfigError, Finished, GridError, PlanError, Stopped
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
@@ -114,6 +114,8 @@ def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, 
     summary = None
     try:
         summary = run_training(load_config(recipe, sets), run_dir, progress=False)
+    except Finished:  # a sweep run again into its own OUT: a finished cell's figures are its summary's
+        summary = json.loads((run_dir / "summary.json").read_text())
     except Stopped as e:  # a stop signal stops the sweep, not only its cell
         raise Stopped(f"cell {run_dir}: {e}", e.status) from None
     except Exception as e:  # noqa: BLE001 - one cell's failure is its row, the others still run
