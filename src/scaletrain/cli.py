@@ -203,7 +203,7 @@ def _pack(args, cfg) -> int:
 def _slurm(args, cfg, run_dir: Path) -> int:
     from .launch import preflight, slurm
     from .launch.env import plan_for
-    from .train import prepare_run_dir
+    from .rundir import prepare_run_dir
 
     cfg = preflight.absolute_paths(cfg, Path.cwd())  # every node reads them, from wherever the job runs
     if args.setup:

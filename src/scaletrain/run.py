@@ -48,7 +48,8 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     plan_node: under torchrun, this agent's node index in the plan.
     """
     from .device import facts
-    from .train import prepare_run_dir, train
+    from .rundir import prepare_run_dir
+    from .train import train
 
     # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
     launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())

@@ -15,10 +15,8 @@ chief decides reaches the others as the shards' DONE.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -33,12 +31,13 @@ from .compute import Backprop, Emulated, keep_freed_memory
 from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
-from .errors import Finished, RunError
+from .errors import RunError
 from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
 from .models import build_model
 from .optim import build_optimizer, lr_at
 from .strategies import build_strategy, images_per_update
 from .replicas import evaluate, load_replica_buffers, replica_buffers
+from .rundir import prepare_run_dir
 from .strategies.base import Tick
 
 log = logging.getLogger("scaletrain")
@@ -66,54 +65,6 @@ def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
     return s
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
-    """Checks made before any process starts (and before a launcher writes config.toml, so a
-    refused run leaves the directory as it was), then the directory. Returns whether the run
-    continues from a checkpoint: with --resume, or on its own when the directory holds a
-    checkpoint written with this config (one with another config is refused, naming the keys).
-    Raises Finished when that run is over for this config (finished_at): a run is never overwritten."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"--run-dir {run_dir}: cannot create it ({e.strerror})") from None
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise RunError(f"--run-dir {run_dir} is not writable")
-    for stale in run_dir.glob("*.tmp"):  # model.safetensors or summary.json of a killed run, half written
-        stale.unlink()
-    found = checkpoint.newest(run_dir / "checkpoints")  # quiet: the resume itself warns of a fallback
-    if found is None:
-        return resume
-    state, path, _ = found
-    checkpoint.check_config(path, state["config"], cfg.flat())
-    over = finished_at(run_dir, cfg, state)
-    if over is not None:  # running it again would only overwrite its results with those of zero steps
-        raise Finished(f"{run_dir} holds a finished run (step {state['step']}, the target of {over} steps): "
-                       f"its results are in {run_dir / 'summary.json'}; nothing was run "
-                       "(raise train.steps or train.epochs to continue it)")
-    if not resume:
-        log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name, state["step"])
-    return True
-
-
-def finished_at(run_dir: Path, cfg: Config, state: dict[str, Any]) -> int | None:
-    """The job steps of cfg's target when the run in run_dir is over for cfg: its newest checkpoint
-    (state) reached the target and the chief wrote summary.json; None while there is work left. A
-    target in epochs is counted over the training set the summary records (the data keys cannot
-    differ from the checkpoint's: check_config)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    train_images = summary.get("train_images") if isinstance(summary, dict) else None
-    if not cfg.train.steps and not train_images:
-        return None  # epochs over a training set of unknown size: building it is the job's work
-    sched = schedule.from_config(cfg, train_images or 0)
-    images = state.get("images", state["step"] * sched.step_images)  # checkpoints written before images were kept
-    return sched.steps if images >= sched.target else None
-
-
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
           ctx: Context | None = None) -> dict[str, Any]:
     """Run the worker loop of this process; returns the summary (the chief writes it).
@@ -130,9 +81,6 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     device = torch.device(ctx.me.device) if ctx.distributed else pick_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's kernels, NCCL and caching allocator on its own GPU only
-    ignored = not_applied(cfg, device.type)
-    if ignored and ctx.is_chief:
-        log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in ignored.items()))
     torch.manual_seed(cfg.train.seed)
     train_set, test_set, classes = build_datasets(cfg)
     model = build_model(cfg.model).to(device)
@@ -153,6 +101,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
         resumed.state = None  # the model, optimizer and strategy hold it now
     prepare = Prepare(cfg.data.augment, train_set.stats, device, channels_last)
     run = Run(cfg, ctx, run_dir, model, strategy, sched, prepare, len(train_set), test_set, resumed, progress)
+    if run.not_applied and ctx.is_chief:
+        log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in run.not_applied.items()))
     tick = Tick(run.images0, False, run.images0 >= sched.target)
     if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
         work = Emulated(cfg, model, device)
@@ -204,6 +154,7 @@ class Run:
                  progress) -> None:
         self.cfg, self.ctx, self.run_dir, self.model, self.strategy = cfg, ctx, run_dir, model, strategy
         self.sched, self.prepare, self.device, self.chief = sched, prepare, prepare.device, ctx.is_chief
+        self.not_applied = not_applied(cfg, self.device.type)  # settings that take no effect in this run
         self.per_epoch = train_images // sched.step_images
         self.resumed_from = str(resumed.path) if resumed else None
         self.best, self.bad = (resumed.best, resumed.bad) if resumed else (None, set())
@@ -424,5 +375,5 @@ class Run:
             "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images,
             "emulated_compute_s": self.cfg.train.emulate_compute_s,
-            "not_applied": not_applied(self.cfg, self.device.type)}, self.cfg, self.ctx, self.device, job,
+            "not_applied": self.not_applied}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())
