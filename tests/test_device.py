@@ -161,3 +161,9 @@ def test_a_setting_the_device_cannot_take_is_recorded_as_not_applied(digits_cfg,
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["not_applied"] == {"train.precision": "bf16: bf16 autocast runs on CUDA only; this run "
                                                          "computes on cpu"}
+
+
+def test_cluster_setup_outside_the_sbatch_script_is_not_applied():
+    cfg = build_config({"cluster": {"setup": ["module load cuda/12.4"]}, "train": {"device": "cpu"}})
+    assert "run only by the sbatch script" in device.not_applied(cfg, "cpu", env={})["cluster.setup"]
+    assert "cluster.setup" not in device.not_applied(cfg, "cpu", env={device.SETUP_DONE: "1"})

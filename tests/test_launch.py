@@ -252,3 +252,17 @@ def test_the_launcher_names_the_chief_when_every_process_ended_before_it_looked(
     assert _watch(plan, procs, 5.0, tmp_path, ("SIGTERM",)) == 1
     failure = json.loads((tmp_path / "logs" / "failure.json").read_text())
     assert failure["rank"] == 0 and "worker 0 on node 1) was killed by signal SIGKILL" in failure["what"]
+
+
+def test_local_launcher_gives_a_ps_its_ps_threads(tmp_path, env):
+    """cluster.ps_threads takes effect without Slurm too: the PS's record shows its threads."""
+    import json
+
+    run_dir = tmp_path / "r"
+    r = subprocess.run(scaletrain_cmd("train", "--recipe", DIGITS, "--run-dir", str(run_dir), "--quiet",
+                                      *sets("cluster.num_ps=1", "strategy.name=sync", "cluster.ps_threads=3",
+                                            "train.steps=2", "data.workers=0", "train.eval_every=0")),
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ps = json.loads((run_dir / "logs" / "rank1.json").read_text())
+    assert (ps["role"], ps["threads"]) == ("ps", 3)

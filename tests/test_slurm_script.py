@@ -130,7 +130,8 @@ def test_setup_lines_come_before_the_command_and_network_is_shown():
     cfg = study("cluster.setup=[\"module load cuda/12.4\", \"conda activate st\"]", "cluster.ifname=ib0")
     lines = slurm.script(cfg, Path("/r"), [], env={}).splitlines()
     at = lines.index("module load cuda/12.4")
-    assert lines[at + 1] == "conda activate st" and lines[at + 2].startswith("mkdir -p")
+    assert lines[at + 1] == "conda activate st" and lines[at + 2] == "export SCALETRAIN_SETUP_DONE=1"
+    assert lines[at + 3].startswith("mkdir -p")  # the job records cluster.setup as applied (device.not_applied)
     assert lines[-1].startswith("exec ") and "srun passes the environment" in lines[at - 1]
     assert any("sockets on ib0 (cluster.ifname)" in line for line in lines)
     shell = slurm.script(cfg, Path("/r"), [], env={"GLOO_SOCKET_IFNAME": "eth0"})

@@ -173,8 +173,8 @@ class ClusterConfig:
                        "but replicas of one host may share a GPU)", choices=("auto", "gloo"))
     ifname: str = opt("", "network interface for gloo's and NCCL's sockets, e.g. ib0 ('' = an InfiniBand ib* "
                       "interface where there is one, loopback for a job on this machine, else the host name's)")
-    ps_threads: int = opt(0, "CPU threads a PS process asks for under Slurm; it also takes every CPU of its node "
-                          "the workers there leave (0 = ask for 1; 0..1024)", lo=0, hi=1024)
+    ps_threads: int = opt(0, "CPU threads a PS process takes at least; under Slurm it also takes every CPU of its "
+                          "node the workers there leave (0 = 1, or the local launcher's share; 0..1024)", lo=0, hi=1024)
     setup: list = opt([], "shell lines a Slurm job runs before it starts, e.g. [\"module load cuda/12.4\"]; "
                       "srun passes the environment they make on to every process ([] = none)", parse=parse_lines)
 

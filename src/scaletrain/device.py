@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from .errors import PlanError
 
+SETUP_DONE = "SCALETRAIN_SETUP_DONE"  # set by the sbatch script after cluster.setup's lines ran
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -78,11 +80,16 @@ def refused(cfg) -> list[str]:
     return [f"{key} = {value}: {why}; train.device = 'cpu'" for key, value, why in _cuda_only(cfg)]
 
 
-def not_applied(cfg, device_type: str) -> dict[str, str]:
-    """Settings that take no effect on this run's device: key -> why (recorded, warned once)."""
-    if device_type == "cuda":
-        return {}
-    return {key: f"{value}: {why}; this run computes on {device_type}" for key, value, why in _cuda_only(cfg)}
+def not_applied(cfg, device_type: str, env=os.environ) -> dict[str, str]:
+    """Settings that take no effect in this run: key -> why (recorded, warned once). The CUDA-only
+    ones on another device, and cluster.setup outside the sbatch script that runs it (which marks
+    the environment it makes with SETUP_DONE)."""
+    out = {} if device_type == "cuda" else \
+        {key: f"{value}: {why}; this run computes on {device_type}" for key, value, why in _cuda_only(cfg)}
+    if cfg.cluster.setup and env.get(SETUP_DONE) != "1":
+        out["cluster.setup"] = ("run only by the sbatch script of `scaletrain slurm`; this job ran in the "
+                                "environment it was started in")
+    return out
 
 
 def _cuda_only(cfg) -> list[tuple[str, object, str]]:

@@ -118,7 +118,7 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     for p in plan.procs:
         env = dict(os.environ, RANK=str(p.rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(p.local_rank),
                    MASTER_ADDR=addr, MASTER_PORT=str(cfg.cluster.master_port), SCALETRAIN_JOB=job,
-                   SCALETRAIN_THREADS=str(threads),
+                   SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads),
                    OMP_NUM_THREADS=str(threads))
         cmd = [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
         cmd += ["--resume"] if resume else []

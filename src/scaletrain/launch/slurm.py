@@ -69,6 +69,7 @@ from pathlib import Path
 
 from .. import strategies
 from ..config import Config, dump_toml
+from ..device import SETUP_DONE
 from ..errors import EXIT_STOPPED
 from ..plan import format_table, node_name
 from . import cpus, fabric
@@ -144,7 +145,7 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
         "# Every process finds its role from SLURM_PROCID, SLURM_NODEID and the plan.",
         "# A requeued run (SLURM_RESTART_COUNT set) continues from the newest checkpoint.",
         *(["# Set-up (cluster.setup, --setup): runs in the batch step; srun passes the environment it makes "
-           "to every task.", *cfg.cluster.setup] if cfg.cluster.setup else []),
+           "to every task.", *cfg.cluster.setup, f"export {SETUP_DONE}=1"] if cfg.cluster.setup else []),
         f"mkdir -p {shlex.quote(str(run_dir / 'logs'))}",
         "exec " + shlex.join(cmd) + " ${SLURM_RESTART_COUNT:+--resume}", ""])
 
