@@ -19,7 +19,7 @@ def test_auto_prefers_infiniband_then_loopback_for_local_jobs_else_leaves_it():
     assert fabric.choose("", {"lo": "127.0.0.1", "eth0": "192.0.2.2"}, loopback_job=False) is None
 
 
-def test_user_variables_win(monkeypatch):
+def test_user_variables_win():
     env = {"GLOO_SOCKET_IFNAME": "eth9"}
     assert fabric.socket_env("", loopback_job=True, env=env) == {"NCCL_SOCKET_IFNAME": "lo"}
 
