@@ -20,6 +20,15 @@ STRATEGIES = {"allreduce": [], "sync": ["cluster.num_ps=1"], "mixed-async": ["cl
               "backup": ["cluster.num_ps=1", "strategy.backup_workers=1"]}
 
 
+def test_compressed_allreduce_sends_half_the_bytes(train_run):
+    """strategy.compression's DDP hook on GPU buckets: half the bytes, and the rounding reaches the weights."""
+    full = train_run("fp32", *TWO_NODES_ONE_GPU, *EXACT)
+    half = train_run("fp16", *TWO_NODES_ONE_GPU, *EXACT, "strategy.compression=fp16")
+    sent = [r.summary["bytes_per_step"]["worker_sent"] for r in (full, half)]
+    assert sent[1] == pytest.approx(sent[0] / 2, rel=1e-3)
+    assert max_diff(full.weights, half.weights) > 0
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_strategy_completes_with_two_emulated_nodes_sharing_one_gpu(train_run, gpu_name, strategy):
     run = train_run(strategy, *TWO_NODES_ONE_GPU, f"strategy.name={strategy}", *STRATEGIES[strategy],

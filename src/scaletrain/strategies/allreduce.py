@@ -21,20 +21,19 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from .base import Strategy, Tick
 
-# DDP communication hooks that divide each bucket by the group's size and all-reduce it in a half type.
 NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in \
     inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers"
-HOOKS = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}
 
 
-def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None) -> DistributedDataParallel:
+def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None,
+                  counters=None) -> DistributedDataParallel:
     """`model` under DistributedDataParallel over `group`: backward returns with the gradients averaged
-    over it, their buckets all-reduced while it still runs (in `wire`'s type when given)."""
+    over it, their buckets all-reduced while it still runs (in `wire`'s type when given, counting in
+    `counters` what is sent)."""
     dev = next(model.parameters()).device
     # init_sync off: every replica already holds the same values (one seed, or one checkpoint), and
     # a broadcast from the first would overwrite each replica's own BatchNorm statistics on resume.
@@ -43,8 +42,26 @@ def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None
     ddp = DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None, process_group=group,
                                   init_sync=False, gradient_as_bucket_view=True, **{NO_BUFFER_SYNC: False})
     if wire is not None:
-        ddp.register_comm_hook(group, HOOKS[wire])
+        ddp.register_comm_hook((group, wire, counters), half_hook)
     return ddp
+
+
+def half_hook(state, bucket):  # unannotated: DDP checks a return annotation against the type itself
+    """A DDP communication hook: the bucket divided by the group's size, all-reduced in a half type
+    (half the bytes of fp32), copied back into the bucket. Counts the bytes it sends, so a figure of
+    bytes is of what crossed, not of what was configured. (torch's fp16/bf16 hooks do the same but
+    say nothing of what they sent.)"""
+    group, wire, counters = state
+    buffer = bucket.buffer()
+    moving = buffer.to(wire).div_(dist.get_world_size(group))
+    if counters is not None:
+        count_ring(counters, dist.get_world_size(group), moving.numel() * moving.element_size())
+    fut = dist.all_reduce(moving, group=group, async_op=True).get_future()  # collective, overlaps backward
+
+    def unpack(f):
+        return buffer.copy_(f.value()[0])
+
+    return fut.then(unpack)
 
 
 def average_(tensors: list[torch.Tensor], group, size: int, counters=None, what: str = "comm_s",
@@ -97,7 +114,7 @@ class AllReduce(Strategy):
         if self.group is None:
             return self.model
         if self.ddp is None:
-            self.ddp = data_parallel(self.model, self.group, self.wire)
+            self.ddp = data_parallel(self.model, self.group, self.wire, self.counters)
         return self.ddp
 
     def step(self, lr: float) -> Tick:
@@ -109,7 +126,9 @@ class AllReduce(Strategy):
                 with self.counters.timed("comm_s"):
                     average_(grads, self.group, self.world, out=self.buffer("grads", self.numel, dtype, dev),
                              wire=self.wire and self.buffer("wire", self.numel, self.wire, dev))
-            count_ring(self.counters, self.world, self.numel * (self.wire or grads[0].dtype).itemsize)
+                count_ring(self.counters, self.world, self.numel * (self.wire or dtype).itemsize)
+            elif self.wire is None:  # DDP's own all-reduce of the buckets (with a wire type the hook counts)
+                count_ring(self.counters, self.world, self.numel * grads[0].dtype.itemsize)
             asked = self._asked()
         self.set_lr(lr)
         self.optimizer.step()
