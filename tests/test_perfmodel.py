@@ -249,21 +249,31 @@ def test_input_rate_0_changes_nothing(tmp_path):
 
 # --- predictions, the study's profile, the recommender -----------------------------------------
 
-STUDY = [  # the study's 4-worker rows (shared reference): placement and measured img/s
-    ("cluster.num_ps=0", "cluster.nodes=1", 124.18),
-    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62),
-    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73),
-    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22),
+# The study's 4-worker rows (shared reference): placement, measured img/s, and whether the profile
+# was set from the row (profiles/study-k80.toml: compute_s from the 1-node row, net_bandwidth from
+# the dedicated-PS row, ps_apply_rate from the 1-PS row). A fitted row can only show that the fit
+# holds; the held-out row is the prediction.
+STUDY = [
+    ("cluster.num_ps=0", "cluster.nodes=1", 124.18, "fitted"),
+    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62, "fitted"),
+    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22, "fitted"),
+    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73, "held out"),
 ]
 
 
-@pytest.mark.parametrize("ps,where,measured", STUDY)
-def test_study_profile_predicts_the_4_worker_rows_within_10_percent(ps, where, measured):
-    prof, about = load_profile(ROOT / "profiles/study-k80.toml")
+def study_row(ps: str, where: str) -> dict:
+    prof, _ = load_profile(ROOT / "profiles/study-k80.toml")
     sets = ["cluster.gpus_per_node=4", "cluster.nodes=4", ps, where,
             "strategy.name=" + ("allreduce" if ps.endswith("=0") else "mixed-async")]
-    row = predict(load_config(ROOT / "recipes/anp-resnet50.toml", sets), prof)
-    assert row["images_per_sec"] == pytest.approx(measured, rel=0.10)
+    return predict(load_config(ROOT / "recipes/anp-resnet50.toml", sets), prof)
+
+
+@pytest.mark.parametrize("ps,where,measured,role", STUDY)
+def test_study_profile_reproduces_its_fit_and_predicts_the_held_out_row(ps, where, measured, role):
+    row = study_row(ps, where)
+    # 0.5%: the profile's fitted figures are rounded to 2-3 digits; 5% for the prediction (-3.5%),
+    # where a PS alongside costing nothing (the dedicated row, 396 img/s) would be +5.7%.
+    assert row["images_per_sec"] == pytest.approx(measured, rel=0.005 if role == "fitted" else 0.05)
     assert row["efficiency"] == pytest.approx(row["speedup"] / row["nodes_total"])
 
 
