@@ -53,7 +53,8 @@ class EmulatedAsync(Strategy):
         grads = self._gather(self.grads())
         if grads is None:  # the update under way needs more gradients, on the same values
             return self.advance(self.schedule.step_images)
-        staleness = self.version - max(0, self.version - self.delay)
+        # The gradient was computed on history[0] (loaded after the last update): the oldest version kept.
+        staleness = len(self.history) - 1
         self.hist[min(staleness, HIST_BINS - 1)] += self.per_update
         for c, g, then in zip(self.current, grads, self.history[0]):
             if self.dc:
