@@ -71,6 +71,12 @@ def own_smallest(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
     return min(same, key=lambda r: (r["nodes_total"], r["nodes"])) if same else None
 
 
+def measured(row: dict[str, Any]) -> bool:
+    """Whether a row's throughput was measured: a run with no timed window has none (null; 0.0
+    in summaries written before nulls)."""
+    return row.get("images_per_sec") is not None and row.get("timed_windows") != 0
+
+
 def ratio(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
     """a / b and its standard error."""
     r = a / b
@@ -99,8 +105,8 @@ def add_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = dict(orig)
         for name, find, keys in (("baseline", baseline, ("speedup", "speedup_stderr", "efficiency")),
                                  ("own_baseline", own_smallest, ("speedup_own", "speedup_own_stderr"))):
-            base = None if row.get("error") else find(orig, rows)
-            if base is None or not base["images_per_sec"]:
+            base = None if row.get("error") or not measured(row) else find(orig, rows)
+            if base is None or not measured(base):
                 row.update(dict.fromkeys(keys), **{name: None})
                 continue
             if base is orig:  # exactly 1 with no uncertainty: a row against itself
@@ -139,6 +145,8 @@ def emulated_compute(row: dict[str, Any]) -> str:
 
 def throughput_text(row: dict[str, Any]) -> str:
     """'123.4 ± 1.2', and with repeats the spread across runs: '123.4 ± 1.2 (3 runs: ± 2.0)'."""
+    if not measured(row):
+        return "not measured"
     text = f"{row['images_per_sec']:.1f} ± {row.get('images_per_sec_stderr') or 0:.1f}"
     runs = row.get("images_per_sec_runs") or []
     if len(runs) > 1:
