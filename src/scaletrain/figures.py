@@ -154,21 +154,33 @@ def throughput_text(row: dict[str, Any]) -> str:
     return text
 
 
+MARK = "⚠"  # beside every flagged figure in a table
+
+
+def marked(row: dict[str, Any], key: str, text: str) -> str:
+    """A figure's text with MARK when the row's flag covers it (flags.add_flags)."""
+    return f"{text} {MARK}" if key in (row.get("flagged") or ()) else text
+
+
 def scaling_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: Setup | Throughput | Speedup | Efficiency | Speedup vs own smallest (rows as
-    given, with add_scaling). Rows that are a baseline say so; rows the bench added only to be
-    one say that too."""
+    """Markdown: Setup | Throughput | Speedup | Efficiency | Speedup vs own smallest | Flag (rows
+    as given, with add_scaling and flags.add_flags: a flagged figure is marked (MARK) and the Flag
+    column says why). Rows that are a baseline say so; rows the bench added only to be one say
+    that too."""
     is_base = {id(b) for r in rows if not r.get("error") for b in [baseline(r, rows)] if b is not None}
-    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest |",
-             "|---|---|---|---|---|"]
+    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest | Flag |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         added = " (baseline, not in the grid)" if r.get("added_baseline") else ""
         if r.get("error"):
-            lines.append(f"| {r.get('label', '?')}{added} | not run: {r['error']} | | | |")
+            lines.append(f"| {r.get('label', '?')}{added} | not run: {r['error']} | | | | |")
             continue
         name = setup(r) + (added or (" (baseline)" if id(r) in is_base else ""))
-        sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f} ± {r['speedup_stderr']:.2f}"
-        eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
-        own = "-" if r.get("speedup_own") is None else f"{r['speedup_own']:.2f} ± {r['speedup_own_stderr']:.2f}"
-        lines.append(f"| {name} | {throughput_text(r)} | {sp} | {eff} | {own} |")
+        sp = "-" if r.get("speedup") is None else \
+            marked(r, "speedup", f"{r['speedup']:.2f} ± {r['speedup_stderr']:.2f}")
+        eff = "-" if r.get("efficiency") is None else marked(r, "efficiency", f"{r['efficiency']:.2f}")
+        own = "-" if r.get("speedup_own") is None else \
+            marked(r, "speedup_own", f"{r['speedup_own']:.2f} ± {r['speedup_own_stderr']:.2f}")
+        lines.append(f"| {name} | {marked(r, 'images_per_sec', throughput_text(r))} | {sp} | {eff} | {own} | "
+                     f"{r.get('flag') or ''} |")
     return "\n".join(lines)
