@@ -45,10 +45,11 @@ def test_speedup_and_efficiency_follow_the_study():
     assert [r["own_baseline"] for r in rows[1:]] == ["mixed-async, 4 nodes (4 workers + 3 PS alongside)"] * 3
     assert rows[1]["speedup_own"] == pytest.approx(396.62 / 374.73) and rows[2]["speedup_own"] == 1.0
     table = figures.scaling_table(rows).splitlines()
-    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest |"
-    assert table[2] == "| allreduce, 1 node (1 worker) (baseline) | 124.2 ± 1.0 | 1.00 ± 0.00 | 1.00 | 1.00 ± 0.00 |"
+    assert table[0] == "| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest | Flag |"
+    assert table[2] == ("| allreduce, 1 node (1 worker) (baseline) | 124.2 ± 1.0 | 1.00 ± 0.00 | 1.00 | "
+                        "1.00 ± 0.00 |  |")
     assert table[3] == ("| mixed-async, 7 nodes (4 workers + 3 dedicated PS) | 396.6 ± 2.0 | 3.19 ± 0.03 | 0.46 | "
-                        "1.06 ± 0.01 |")
+                        "1.06 ± 0.01 |  |")
 
 
 def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
@@ -231,6 +232,7 @@ def test_two_cell_bench_end_to_end(tmp_path):
     scaled = json.loads((out / "bench-rows.json").read_text())
     assert scaled[1]["speedup"] == pytest.approx(rows[1]["images_per_sec"] / rows[0]["images_per_sec"])
     assert scaled[1]["efficiency"] == pytest.approx(scaled[1]["speedup"] / 2)
+    assert all("flag" in r and 0 < r["slowest_window_fraction"] <= 1 for r in scaled)  # judged, with its windows
     page = check_report(out / "report" / "report.html")
     assert "allreduce, 2 nodes (2 workers)" in page.cells
 
@@ -272,15 +274,19 @@ def test_bench_repeats_report_the_spread_across_runs(tmp_path, capsys):
 
 def test_report_from_run_dirs(tmp_path, capsys):
     runs = []
-    for name, sets in (("single", []), ("mixed", ["cluster.nodes=2", "cluster.num_ps=1",
-                                                   "strategy.name=mixed-async"])):
+    for name, sets in (("single", []), ("mixed", ["cluster.nodes=2", "cluster.num_ps=1", "strategy.name=mixed-async"]),
+                       ("untimed", ["train.steps=2", "train.warmup_log_steps=2"])):  # no window past the warm-up
         runs.append(tmp_path / name)
         assert main(["train", "--recipe", DIGITS, "--run-dir", str(runs[-1]), "--quiet",
                      *sum((["--set", s] for s in ["data.workers=0", "train.steps=30", "train.eval_every=10",
                                                   "train.log_every=5", *sets]), [])]) == 0
+    assert "img/s not measured" in capsys.readouterr().out
+    untimed = json.loads((runs[-1] / "summary.json").read_text())
+    assert untimed["images_per_sec"] is None and untimed["timed_windows"] == 0  # null, not 0.0
     assert main(["report", *map(str, runs), "--out", str(tmp_path / "rep")]) == 0
     page = check_report(tmp_path / "rep" / "report.html")
     assert "single" in page.cells and "mixed" in page.cells
+    assert page.cells[page.cells.index("untimed") + 4] == "not measured"
     names = {p.name for p in (tmp_path / "rep").glob("*.png")}
     assert {"runs-loss-time.png", "runs-loss-steps.png", "runs-accuracy-time.png", "staleness.png"} <= names
     assert main(["report", str(tmp_path / "nothing-here")]) == 2

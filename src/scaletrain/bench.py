@@ -5,9 +5,10 @@ or Slurm inside an allocation) of warm-up + measured steps, with the first
 `warmup` steps left out of the throughput; evaluation is off. One JSON row
 per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
 standard error and jitter, bytes per step, staleness), then speedup and
-efficiency (figures.py) are added and the table printed and written to
-OUT/bench.md. Every cell's config and placement is checked before the
-first one runs (check_cells): a bad grid value ends the sweep in one line.
+efficiency (figures.py) and the flags of figures in doubt (flags.py) are
+added and the table printed and written to OUT/bench.md. Every cell's config
+and placement is checked before the first one runs (check_cells): a bad grid
+value ends the sweep in one line.
 Speedup is against one node with no distribution (figures.BASELINE, every
 other key the same): where the grid lacks that cell, it runs first, once
 per distinct set of other keys, as a row marked `added_baseline`. A cell
@@ -32,11 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import figures
+from . import figures, flags
 from .errors import ConfigError, Finished, GridError, PlanError, Stopped
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
-        "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "timed_windows", "data_wait_fraction",
+        "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "slowest_window_fraction", "timed_windows",
+        "data_wait_fraction",
         "bytes_per_step", "staleness_mean", "staleness_p95", "staleness_max", "dropped_gradients",
         "dropped_fraction", "gradients_per_update_mean", "emulated_workers", "emulated_compute_s", "not_applied",
         "git_commit", "host",
@@ -139,10 +141,15 @@ def combine(runs: list[tuple[dict[str, Any], dict[str, Any] | None]], repeats: i
         row["error"] = f"run {len(runs)} of {repeats}: {runs[-1][0]['error']}"
         return None
     ips = [s["images_per_sec"] for _, s in runs]
+    row["images_per_sec_runs"] = ips
+    if not all(figures.measured(s) for _, s in runs):  # a mean without that run would hide it
+        return {**runs[0][1], "images_per_sec": None, "images_per_sec_stderr": None, "timed_windows": 0}
     within = [s.get("images_per_sec_stderr") or 0.0 for _, s in runs]
-    row.update(images_per_sec_runs=ips, images_per_sec_run_stderr=statistics.stdev(ips) / math.sqrt(repeats))
+    slowest = [s["slowest_window_fraction"] for _, s in runs if s.get("slowest_window_fraction") is not None]
+    row["images_per_sec_run_stderr"] = statistics.stdev(ips) / math.sqrt(repeats)
     return {**runs[0][1], "images_per_sec": statistics.fmean(ips),
-            "images_per_sec_stderr": math.sqrt(sum(se * se for se in within)) / repeats}
+            "images_per_sec_stderr": math.sqrt(sum(se * se for se in within)) / repeats,
+            "slowest_window_fraction": min(slowest, default=None)}  # a stall in any run is in the mean
 
 
 def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str, str], str]]) \
@@ -201,7 +208,7 @@ def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
                 rows.append(row)
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
-    rows = figures.add_scaling(rows)
+    rows = flags.add_flags(figures.add_scaling(rows))
     publish(out, "bench", rows, figures.scaling_table(rows), progress)
     return rows
 
@@ -229,6 +236,13 @@ def stopped(e: Stopped, rows: Path) -> int:
     return e.status
 
 
+def flagged(rows: list[dict[str, Any]]) -> None:
+    """One line per flagged row on stderr, so a doubted figure is seen even where the table is not read."""
+    for r in rows:
+        if r.get("flag"):
+            print(f"scaletrain: flagged: {r['label']}: {r['flag']}", file=sys.stderr)
+
+
 def main(args) -> int:
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -243,5 +257,6 @@ def main(args) -> int:
         return 2
     except Stopped as e:
         return stopped(e, out / "bench.jsonl")
-    print(f"bench: {sum(not r.get('error') for r in rows)}/{len(rows)} cells measured; rows in {out / 'bench.jsonl'}")
+    print(f"bench: {sum(not r.get('error') for r in rows)}/{len(rows)} cells run; rows in {out / 'bench.jsonl'}")
+    flagged(rows)
     return 1 if any(r.get("error") for r in rows) else 0

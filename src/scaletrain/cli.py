@@ -230,10 +230,12 @@ def _slurm(args, cfg, run_dir: Path) -> int:
 
 def summary_line(summary: dict) -> str:
     acc, emulated = summary.get("test_accuracy"), summary.get("emulated_compute_s")
+    ips = summary.get("images_per_sec")
+    rate = "img/s not measured (no log window after the warm-up)" if ips is None else f"{ips:.1f} img/s"
     if emulated:
-        return (f"steps {summary['steps']}  {summary['images_per_sec']:.1f} img/s  "
+        return (f"steps {summary['steps']}  {rate}  "
                 f"emulated compute {emulated:g} s a step: no loss, not evaluated")
-    return (f"steps {summary['steps']}  {summary['images_per_sec']:.1f} img/s  "
+    return (f"steps {summary['steps']}  {rate}  "
             f"final train loss {summary['final_train_loss']:.4f}  "
             + (f"test accuracy {acc:.4f}" if acc is not None else "no test set"))
 

@@ -71,6 +71,12 @@ def own_smallest(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
     return min(same, key=lambda r: (r["nodes_total"], r["nodes"])) if same else None
 
 
+def measured(row: dict[str, Any]) -> bool:
+    """Whether a row's throughput was measured: a run with no timed window has none (null; 0.0
+    in summaries written before nulls)."""
+    return row.get("images_per_sec") is not None and row.get("timed_windows") != 0
+
+
 def ratio(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
     """a / b and its standard error."""
     r = a / b
@@ -99,8 +105,8 @@ def add_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = dict(orig)
         for name, find, keys in (("baseline", baseline, ("speedup", "speedup_stderr", "efficiency")),
                                  ("own_baseline", own_smallest, ("speedup_own", "speedup_own_stderr"))):
-            base = None if row.get("error") else find(orig, rows)
-            if base is None or not base["images_per_sec"]:
+            base = None if row.get("error") or not measured(row) else find(orig, rows)
+            if base is None or not measured(base):
                 row.update(dict.fromkeys(keys), **{name: None})
                 continue
             if base is orig:  # exactly 1 with no uncertainty: a row against itself
@@ -139,6 +145,8 @@ def emulated_compute(row: dict[str, Any]) -> str:
 
 def throughput_text(row: dict[str, Any]) -> str:
     """'123.4 ± 1.2', and with repeats the spread across runs: '123.4 ± 1.2 (3 runs: ± 2.0)'."""
+    if not measured(row):
+        return "not measured"
     text = f"{row['images_per_sec']:.1f} ± {row.get('images_per_sec_stderr') or 0:.1f}"
     runs = row.get("images_per_sec_runs") or []
     if len(runs) > 1:
@@ -146,21 +154,33 @@ def throughput_text(row: dict[str, Any]) -> str:
     return text
 
 
+MARK = "⚠"  # beside every flagged figure in a table
+
+
+def marked(row: dict[str, Any], key: str, text: str) -> str:
+    """A figure's text with MARK when the row's flag covers it (flags.add_flags)."""
+    return f"{text} {MARK}" if key in (row.get("flagged") or ()) else text
+
+
 def scaling_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: Setup | Throughput | Speedup | Efficiency | Speedup vs own smallest (rows as
-    given, with add_scaling). Rows that are a baseline say so; rows the bench added only to be
-    one say that too."""
+    """Markdown: Setup | Throughput | Speedup | Efficiency | Speedup vs own smallest | Flag (rows
+    as given, with add_scaling and flags.add_flags: a flagged figure is marked (MARK) and the Flag
+    column says why). Rows that are a baseline say so; rows the bench added only to be one say
+    that too."""
     is_base = {id(b) for r in rows if not r.get("error") for b in [baseline(r, rows)] if b is not None}
-    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest |",
-             "|---|---|---|---|---|"]
+    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest | Flag |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         added = " (baseline, not in the grid)" if r.get("added_baseline") else ""
         if r.get("error"):
-            lines.append(f"| {r.get('label', '?')}{added} | not run: {r['error']} | | | |")
+            lines.append(f"| {r.get('label', '?')}{added} | not run: {r['error']} | | | | |")
             continue
         name = setup(r) + (added or (" (baseline)" if id(r) in is_base else ""))
-        sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f} ± {r['speedup_stderr']:.2f}"
-        eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
-        own = "-" if r.get("speedup_own") is None else f"{r['speedup_own']:.2f} ± {r['speedup_own_stderr']:.2f}"
-        lines.append(f"| {name} | {throughput_text(r)} | {sp} | {eff} | {own} |")
+        sp = "-" if r.get("speedup") is None else \
+            marked(r, "speedup", f"{r['speedup']:.2f} ± {r['speedup_stderr']:.2f}")
+        eff = "-" if r.get("efficiency") is None else marked(r, "efficiency", f"{r['efficiency']:.2f}")
+        own = "-" if r.get("speedup_own") is None else \
+            marked(r, "speedup_own", f"{r['speedup_own']:.2f} ± {r['speedup_own_stderr']:.2f}")
+        lines.append(f"| {name} | {marked(r, 'images_per_sec', throughput_text(r))} | {sp} | {eff} | {own} | "
+                     f"{r.get('flag') or ''} |")
     return "\n".join(lines)

@@ -165,20 +165,23 @@ class JobClock:
         self.mark, self.wait = (self.t, images), 0.0
         return self.windows[-1]
 
-    def summary(self) -> dict[str, float]:
-        """images_per_sec with its standard error, jitter and window count; train_seconds
-        (to the last tick); images_applied (by this run, warm-up included)."""
+    def summary(self) -> dict[str, float | None]:
+        """images_per_sec with its standard error, jitter and window count; the slowest window's
+        rate over the median window's (a stall shows there); train_seconds (to the last tick);
+        images_applied (by this run, warm-up included). With no timed window the rate figures
+        are None (JSON null): nothing was measured, which a 0.0 would pass off as a measurement."""
         out = {"train_seconds": self.t, "images_applied": self.images - self.start_images}
         rates = [n / s for n, s, _ in self.windows]
         if not rates:
-            return {**out, "images_per_sec": 0.0, "images_per_sec_stderr": 0.0, "images_per_sec_mad": 0.0,
-                    "timed_windows": 0, "data_wait_fraction": None}
+            return {**out, "images_per_sec": None, "images_per_sec_stderr": None, "images_per_sec_mad": None,
+                    "slowest_window_fraction": None, "timed_windows": 0, "data_wait_fraction": None}
         med = statistics.median(rates)
         seconds = sum(s for _, s, _ in self.windows)
         return {**out,
                 "images_per_sec": sum(n for n, _, _ in self.windows) / seconds,
                 "images_per_sec_stderr": statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0,
                 "images_per_sec_mad": statistics.median(abs(r - med) for r in rates),
+                "slowest_window_fraction": min(rates) / med,
                 "timed_windows": len(rates),
                 "data_wait_fraction": sum(w for _, _, w in self.windows) / seconds}
 

@@ -122,6 +122,7 @@ def bench_plots(rows: list[dict], out: Path, made: list) -> None:
                 ax.errorbar([r["nodes_total"] for r in pts], [r["speedup"] for r in pts], color=vc[label],
                             yerr=[r["speedup_stderr"] for r in pts], marker="o", capsize=3,
                             label=label if len(series) > 1 else None)
+                _flagged(ax, pts, "nodes_total", "speedup")
         _titled(ax, name, series)
         ax.set_xlabel("nodes used (dedicated PS incl.)")
         if top <= 8:
@@ -133,11 +134,13 @@ def bench_plots(rows: list[dict], out: Path, made: list) -> None:
         series = _series(g)
         bases = {}  # the baseline of each series that is not its own (one line for series sharing one)
         for label, s in series.items():
-            ax.errorbar([r["nodes"] for r in s], [r["images_per_sec"] for r in s], color=vc[label],
-                        yerr=[figures.throughput_se(r) for r in s], marker="o", capsize=3,
+            pts = [r for r in s if figures.measured(r)]  # a run with no timed window has no point
+            ax.errorbar([r["nodes"] for r in pts], [r["images_per_sec"] for r in pts], color=vc[label],
+                        yerr=[figures.throughput_se(r) for r in pts], marker="o", capsize=3,
                         label=label if len(series) > 1 else None)
+            _flagged(ax, pts, "nodes", "images_per_sec")
             base = figures.baseline(s[0], rows)
-            if base is not None and all(base is not r for r in s):
+            if base is not None and figures.measured(base) and all(base is not r for r in s):
                 bases.setdefault(id(base), (base, vc[label]))
         for base, colour in bases.values():
             ax.axhline(base["images_per_sec"], color=colour if len(bases) > 1 else "0.35", ls=":", lw=1.2,
@@ -151,6 +154,14 @@ def bench_plots(rows: list[dict], out: Path, made: list) -> None:
     axes[0].set_ylabel("images/s (all replicas)")
     _save(fig, out, "throughput.png", made, "Throughput against worker nodes, one panel per strategy; dotted: "
           "the baseline, 1 node with no distribution")
+
+
+def _flagged(ax, rows: list[dict], x: str, y: str) -> None:
+    """A red ring around each point whose figure is flagged (flags.add_flags): the table says why."""
+    pts = [r for r in rows if y in (r.get("flagged") or ())]
+    if pts:
+        ax.plot([r[x] for r in pts], [r[y] for r in pts], "o", ms=13, mfc="none", mec="red", mew=1.8,
+                label=f"flagged {figures.MARK} (see the table)")
 
 
 def _curves(run_dir: str) -> dict[str, list[dict]]:

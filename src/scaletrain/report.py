@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from . import figures
+from . import figures, flags
 from .plots import bench_plots, learning_plots, predicted_plot, staleness_plot
 
 
@@ -32,9 +32,12 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[di
         if (d / "validate-rows.json").exists():  # `scaletrain predict --validate` against this bench
             predicted += json.loads((d / "validate-rows.json").read_text())["rows"]
         if (d / "bench-rows.json").exists():  # figured again, so older outputs read as today's definitions
-            bench_rows += figures.add_scaling(rows_of(d / "bench-rows.json"))
+            bench_rows += flags.add_flags(figures.add_scaling(rows_of(d / "bench-rows.json")))
         elif (d / "study-rows.json").exists():
-            study_rows += rows_of(d / "study-rows.json")
+            from .study import add_improvement
+
+            rows = rows_of(d / "study-rows.json")
+            study_rows += add_improvement(rows, tuple(rows[0]["until"]) if rows and rows[0].get("until") else None)
         elif (d / "summary.json").exists():
             s = json.loads((d / "summary.json").read_text())
             runs.append({**s, "label": d.name, "run_dir": str(d)})
@@ -71,9 +74,13 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         sections.append(("Learning: accuracy and time", study_table(study_rows, until), STUDY_DEFINITIONS))
         learning_plots(study_rows, out, made, "study-", until)
     if runs:
-        lines = ["| Run | Strategy | Replicas | Steps | img/s | Test accuracy |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['label']} | {r.get('strategy', '-')} | {r.get('replicas', 1)} | {r['steps']} | "
-                  f"{r['images_per_sec']:.1f} | {r.get('test_accuracy') or '-'} |" for r in runs]
+        lines = ["| Run | Strategy | Replicas | Steps | img/s | Test accuracy | Flag |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in runs:
+            doubts = flags.rate_doubts(r)
+            lines.append(f"| {r['label']} | {r.get('strategy', '-')} | {r.get('replicas', 1)} | {r['steps']} | "
+                         f"{figures.throughput_text(r)}{f' {figures.MARK}' if doubts else ''} | "
+                         f"{r.get('test_accuracy') or '-'} | {', '.join(doubts)} |")
         sections.append(("Runs", "\n".join(lines), ""))
         learning_plots(runs, out, made, "runs-")
     if predicted:
@@ -97,24 +104,35 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     return out / "report.html"
 
 
+FLAGS = (f"{figures.MARK}: a figure that cannot be taken as the job's, the Flag column says why: a throughput "
+         f"whose standard error passes {flags.SPREAD:.0%} of it (unsteady), one with a log window under "
+         f"{flags.STALL:.0%} of the median window's rate (stalled), a figure built on either, and one past its "
+         "bound (efficiency 1; speedup, and an improvement with no target, the replicas' ratio) by more than "
+         f"{flags.Z:g} standard errors.")
 DEFINITIONS = ("Throughput: images per second over all replicas, the first --warmup steps left out, ± the "
                "standard error over log windows (with repeats: the mean over runs, and in brackets the standard "
                "error across runs). Speedup (the study's): throughput over that of one node with no "
                "distribution, the baseline row: the same replicas per node averaged by all-reduce, no PS, every "
                "other key the same; a PS strategy on one node is measured against it too. Efficiency: speedup "
                "over the nodes used, dedicated PS nodes included. Speedup vs own smallest: throughput over that "
-               "of the same strategy's configuration with the fewest nodes.")
+               "of the same strategy's configuration with the fewest nodes. " + FLAGS)
 STUDY_DEFINITIONS = ("Workers (GPUs): replicas. Test accuracy: at the end (best during the run). Time: training "
                      "time (evaluations left out), or that until the target was first reached. Improvement: the "
-                     "baseline's time (the first configuration with the fewest replicas) over this one's.")
+                     "baseline's time (the first configuration with the fewest replicas) over this one's. " + FLAGS)
 
 
 def _md_table_html(table: str) -> str:
+    """The markdown table as HTML; a flagged figure and its reason (the Flag column) are highlighted."""
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
             if not set(line.replace("|", "").strip()) <= {"-"}]
     head, body = rows[0], rows[1:]
+
+    def td(c: str, col: str) -> str:
+        flagged = c and (figures.MARK in c or col == "Flag")
+        return f"<td class='flag'>{html.escape(c)}</td>" if flagged else f"<td>{html.escape(c)}</td>"
+
     return ("<table><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
+            + "".join("<tr>" + "".join(td(c, col) for c, col in zip(r, head)) + "</tr>" for r in body)
             + "</tbody></table>")
 
 
@@ -123,7 +141,8 @@ def _html(sections, made, out: Path) -> str:
              "<style>body{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:4px 8px;"
              "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#eee}"
-             "figure{margin:16px 0}img{max-width:100%}</style></head><body>",  # small multiples: full width
+             "figure{margin:16px 0}img{max-width:100%}td.flag{background:#fde2dc;color:#8a1c0c;text-align:left}"
+             "</style></head><body>",  # small multiples: full width
              "<h1>scaletrain report</h1>"]
     for title, table, notes in sections:
         parts += [f"<h2>{html.escape(title)}</h2>", _md_table_html(table)]

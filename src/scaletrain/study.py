@@ -10,7 +10,8 @@ is the limit). Rows go to OUT/study.jsonl, the table (the study's shape:
 Workers (GPUs) | Test accuracy | Time | Improvement) to OUT/study.md. Times are training time:
 evaluation is left out, so its cadence does not count. Improvement = time
 (or time to target, when one is set) of the baseline, the first cell with the
-fewest replicas, over this cell's ("-" when either did not reach the target).
+fewest replicas, over this cell's ("-" when either did not reach the target),
+flagged (flags.py) when a throughput under it is in doubt or it passes its bound.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import bench, figures
+from . import bench, figures, flags
 from .config import load_config
 from .errors import ConfigError, Stopped, UntilError
 
@@ -96,11 +97,13 @@ def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
     if base is not None and not _time(base, until):
         base = None
     out = []
-    for r in rows:
-        r = dict(r)
+    for orig in rows:
+        r = dict(orig)
         t = _time(r, until)
         r["improvement"] = (_time(base, until) / t) if base is not None and t else None
         r["baseline"] = base["label"] if base is not None else None
+        r["flag"], r["flagged"] = flags.improvement_flag(r, None if base is orig else base,
+                                                     bool(until and until[0] != "epochs"))
         out.append(r)
     return out
 
@@ -110,18 +113,19 @@ def study_table(rows: list[dict[str, Any]], until) -> str:
     when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
         else "Training time"
     images = " | Images to target" if target else ""
-    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement |",
-             "|---|---|---|---|---|---|" + ("---|" if target else "")]
+    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement | Flag |",
+             "|---|---|---|---|---|---|---|" + ("---|" if target else "")]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | |")
+            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | | |")
             continue
         acc = "-" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f} ({r['best_test_accuracy']:.4f})"
         t = _time(r, until)
-        imp = "-" if r.get("improvement") is None else f"{r['improvement']:.2f}x"
+        imp = "-" if r.get("improvement") is None else figures.marked(r, "improvement", f"{r['improvement']:.2f}x")
         n = (" | -" if r.get("images_to_target") is None else f" | {r['images_to_target']:,}") if target else ""
         lines.append(f"| {figures.setup(r)} | {r['replicas']} | {acc} | "
-                     f"{'not reached' if t is None else f'{t:.1f} s'}{n} | {r['steps']} | {imp} |")
+                     f"{'not reached' if t is None else figures.marked(r, 'time', f'{t:.1f} s')}{n} | {r['steps']} | "
+                     f"{imp} | {r.get('flag') or ''} |")
     return "\n".join(lines)
 
 
@@ -139,4 +143,5 @@ def main(args) -> int:
         return bench.stopped(e, out / "study.jsonl")
     print(f"study: {sum(not r.get('error') for r in rows)}/{len(rows)} configurations trained; rows in "
           f"{out / 'study.jsonl'}")
+    bench.flagged(rows)
     return 1 if any(r.get("error") for r in rows) else 0

@@ -148,6 +148,9 @@ def measure_job(cfg: Config, replicas: int, warmup: int, steps: int, **shape) ->
         "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_training(job, Path(tmp) / "run", progress=False)
+    if summary["images_per_sec"] is None:  # no log window after the warm-up: nothing to calibrate on
+        raise ProfileError(f"calibrate: the {replicas}-replica job timed no log window in {steps} steps "
+                           f"after {warmup} warm-up steps; raise --steps")
     return job.cluster.nodes * replicas * cfg.data.batch_size / summary["images_per_sec"], summary.get("device", "cpu")
 
 

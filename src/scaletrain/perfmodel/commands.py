@@ -198,7 +198,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
         if not path.exists():
             raise ProfileError(f"{d}: no bench-rows.json (a `scaletrain bench` output directory)")
         for row in figures.add_scaling(json.loads(path.read_text())):  # figured again: older outputs too
-            if row.get("error") or row.get("data") not in (None, "real"):
+            if row.get("error") or row.get("data") not in (None, "real") or not figures.measured(row):
                 continue
             nested: dict[str, dict] = {}
             for k, v in row["config"].items():
