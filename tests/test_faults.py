@@ -281,6 +281,13 @@ def test_a_restart_leaves_the_failed_node_out_when_min_nodes_allows(tmp_path, en
     assert s["nodes"] == 2 and s["replicas"] == 2
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["images"] == 60 * 3 * 32 and s["steps"] == 90  # the job's target, in images, is kept
+    # Each line names the step the run resumes from as the 2-node job counts it (3 of its steps are 2 of 3 nodes')
+    resumed = s["start_step"]
+    saved = resumed * 2 // 3
+    assert f"checkpoint of step {saved}, which is step {resumed} with 2 worker nodes" in line, (line, resumed)
+    assert f"resumed from {run_dir}/checkpoints/ckpt-{saved:08d}.pt at step {resumed} " in err, err
+    assert s["lost_workers"] == [{"nodes": [2], "ranks": [2], "host": None, "restart": 1,
+                                  "images": resumed * 2 * 32, "step": resumed}], s["lost_workers"]
     no_orphans(procs)
 
 

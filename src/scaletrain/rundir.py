@@ -43,7 +43,8 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
                        f"its results are in {run_dir / 'summary.json'}; nothing was run "
                        "(raise train.steps or train.epochs to continue it)")
     if not resume:
-        log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name, state["step"])
+        log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name,
+                 checkpoint.images_of(state) // schedule.step_images(cfg))
     return True
 
 
