@@ -42,12 +42,13 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
                  plan_node: int | None = None) -> dict[str, Any]:
     """Train cfg into run_dir; the run's summary (summary.json).
 
-    Raises PlanError or LaunchError (a job that cannot start as asked), one of
+    Raises PlanError, LaunchError or ConfigError (a job that cannot start as asked), one of
     errors.USER_ERRORS (a job that failed; str() is one line), Stopped (a stop
     signal: every process checkpointed at one step and stopped) and
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
     plan_node: under torchrun, this agent's node index in the plan.
     """
+    from .data import check_data
     from .device import facts
     from .rundir import prepare_run_dir
     from .train import train
@@ -61,6 +62,9 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
         from .launch.entry import exit_now, run
 
         exit_now(run(cfg, run_dir, resume, progress, node=plan_node))
+    # Before the launcher makes the run directory: data its processes cannot use leaves none behind.
+    # It costs one listing of the files, which each worker makes again.
+    check_data(cfg)
     if launch_env.in_slurm_allocation():
         from .launch.slurm import run_job as start
     else:
