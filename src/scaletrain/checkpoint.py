@@ -21,6 +21,7 @@ import pickle
 import re
 import shutil
 import threading
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +203,9 @@ def unreadable_reason(path: Path, e: Exception) -> str:
     pages long and may advise loading with weights_only=False)."""
     if isinstance(e, OSError):
         return f"cannot be read ({e.strerror or e})"
+    if isinstance(e, pickle.UnpicklingError) and not zipfile.is_zipfile(path):  # pickle.dump, torch's old format
+        return ("a raw pickle, or one holding Python objects other than tensors; refused, since loading it "
+                "could run code")
     if not zipfile.is_zipfile(path):
         return "truncated, or not written by torch.save (no complete zip archive)"
     if isinstance(e, pickle.UnpicklingError):
@@ -213,7 +217,11 @@ def read(path: Path, mmap: bool = False) -> Any:
     """torch.load with weights_only=True; CheckpointError naming the file and why it was refused.
     mmap: the tensors are mapped, not read (for a look at a checkpoint's step)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():
+            # torch warns of a pickle protocol it did not write before refusing a raw pickle: the
+            # line below says why the file is refused; its warning would come first, in torch's words.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any refusal is one line naming the file
         raise CheckpointError(f"{path}: {unreadable_reason(path, e)}") from None
 
