@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -146,6 +147,42 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path, env):
     procs = wait_training(p, run_dir, 3)
     p.kill()
     p.wait()
+    no_orphans(procs)
+
+
+def descendants(pid):
+    """Every process below pid, from /proc's parent links."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_loader_processes_die_with_a_killed_launcher(tmp_path, env):
+    """data.workers = 2: a training process's loader processes are its children, which the
+    kernel's parent-death signal of the launcher does not reach; they die with it (within a second)
+    rather than when they next look for their parent (every 5 s)."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "data.workers=2", "train.steps=100000")
+    procs = wait_training(p, run_dir, 2)
+    tree = descendants(p.pid)
+    assert len(tree) >= 2 + 2 * 2, tree  # 2 training processes, 2 loader processes each
+    p.kill()
+    p.wait()
+    t0 = time.time()
+    while any(alive(pid) for pid in tree) and time.time() - t0 < 10:
+        time.sleep(0.05)
+    assert not [pid for pid in tree if alive(pid)], "processes left behind"
+    assert time.time() - t0 < 2, time.time() - t0
     no_orphans(procs)
 
 
