@@ -53,13 +53,15 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def check_port(addr: str, port: int) -> None:
+def check_port(addr: str, port: int, host: str = "") -> None:
+    """LaunchError naming cluster.master_port when the rendezvous could not listen on addr:port
+    (host: this host's name in the message, where addr is every interface's "")."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError as e:
-            raise LaunchError(f"cluster.master_port = {port}: cannot listen on {addr}:{port} ({e.strerror}); "
+            raise LaunchError(f"cluster.master_port = {port}: cannot listen on {host or addr}:{port} ({e.strerror}); "
                               "choose another port or 0 for a free one") from None
 
 
