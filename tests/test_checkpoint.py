@@ -4,7 +4,7 @@ from safetensors.torch import load_file
 
 from scaletrain import checkpoint
 from scaletrain.checkpoint import CheckpointError
-from scaletrain.train import RunError, train
+from scaletrain.train import train
 
 
 def state(step, value=1.0):
@@ -133,10 +133,21 @@ def test_same_config_resumes_on_its_own(digits_cfg, tmp_path, caplog):
     assert any("resuming from ckpt-00000002.pt (step 2)" in r.getMessage() for r in caplog.records)
 
 
-def test_run_dir_that_is_a_file_is_one_line(digits_cfg, tmp_path):
+def test_run_dir_that_is_a_file_is_bad_input(tmp_path, capsys):
+    """Exit 2 and one line, as for any bad input; nothing is created."""
+    from scaletrain.cli import main
+
+    from conftest import RECIPES
+
     (tmp_path / "r").write_text("")
-    with pytest.raises(RunError, match=r"--run-dir .*/r is a file, not a directory$"):
-        train(digits_cfg("train.steps=2"), tmp_path / "r", progress=False)
+    for run_dir, says in ((tmp_path / "r", f"--run-dir {tmp_path / 'r'} is a file, not a directory"),
+                          (tmp_path / "r" / "sub", f"--run-dir {tmp_path / 'r' / 'sub'}: cannot create it "
+                                                   f"({tmp_path / 'r'} is a file)")):
+        for nodes in (1, 2):
+            rc = main(["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet",
+                       "--set", "train.steps=2", "--set", f"cluster.nodes={nodes}"])
+            assert (rc, capsys.readouterr().err) == (2, f"scaletrain: error: {says}\n")
+    assert (tmp_path / "r").read_text() == ""
 
 
 def test_refused_resume_leaves_config_toml_as_it_was(digits_cfg, tmp_path, capsys):

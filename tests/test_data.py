@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 
 import numpy as np
@@ -71,6 +72,34 @@ def test_missing_file_and_directory_named(tmp_path):
         build_datasets(cfg_for("manifest", tmp_path / "m.csv"))
     with pytest.raises(DataError, match=r"directory .*absent does not exist"):
         build_datasets(cfg_for("imagefolder", tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_data_error_leaves_no_run_directory(tmp_path, capsys, nodes):
+    """Refused before anything is written: neither the run directory nor a parent the command would
+    have made is left behind; one the user made is kept as it was. With 2 nodes the launcher checks
+    before it starts any process."""
+    from scaletrain.cli import main
+
+    from conftest import RECIPES
+
+    rows = write_images(tmp_path / "images")
+    (tmp_path / "m.csv").write_text("".join(f"images/{p},{c}\n" for p, c in rows) + "nothere.jpg,sad_dog\n")
+    (tmp_path / "mine").mkdir()
+    cases = [(tmp_path / "new" / "run", "data.name=imagefolder", f"data.root={tmp_path / 'absent'}",
+              "directory .*absent does not exist"),
+             (tmp_path / "mine", "data.name=manifest", f"data.root={tmp_path / 'm.csv'}",
+              r"m\.csv line 13: image .*nothere\.jpg does not exist")]
+    for run_dir, name, root, says in cases:
+        rc = main(["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet",
+                   "--set", name, "--set", root, "--set", "model.num_classes=3", "--set", "data.workers=0",
+                   "--set", f"cluster.nodes={nodes}"])
+        err = capsys.readouterr().err
+        assert rc == 1, err
+        [line] = [x for x in err.splitlines() if x.startswith("scaletrain")]
+        assert re.search(says, line), line
+    assert not (tmp_path / "new").exists()
+    assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
 
 
 def corrupt_folder(tmp_path):

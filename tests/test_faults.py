@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -149,6 +150,42 @@ def test_a_killed_launcher_takes_its_processes_with_it(tmp_path, env):
     no_orphans(procs)
 
 
+def descendants(pid):
+    """Every process below pid, from /proc's parent links."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_loader_processes_die_with_a_killed_launcher(tmp_path, env):
+    """data.workers = 2: a training process's loader processes are its children, which the
+    kernel's parent-death signal of the launcher does not reach; they die with it (within a second)
+    rather than when they next look for their parent (every 5 s)."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "data.workers=2", "train.steps=100000")
+    procs = wait_training(p, run_dir, 2)
+    tree = descendants(p.pid)
+    assert len(tree) >= 2 + 2 * 2, tree  # 2 training processes, 2 loader processes each
+    p.kill()
+    p.wait()
+    t0 = time.time()
+    while any(alive(pid) for pid in tree) and time.time() - t0 < 10:
+        time.sleep(0.05)
+    assert not [pid for pid in tree if alive(pid)], "processes left behind"
+    assert time.time() - t0 < 2, time.time() - t0
+    no_orphans(procs)
+
+
 def test_max_restarts_finishes_a_sync_job_whose_worker_was_killed(tmp_path, env, reference):
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=sync", "cluster.num_ps=1", "cluster.max_restarts=2")
@@ -281,6 +318,13 @@ def test_a_restart_leaves_the_failed_node_out_when_min_nodes_allows(tmp_path, en
     assert s["nodes"] == 2 and s["replicas"] == 2
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["images"] == 60 * 3 * 32 and s["steps"] == 90  # the job's target, in images, is kept
+    # Each line names the step the run resumes from as the 2-node job counts it (3 of its steps are 2 of 3 nodes')
+    resumed = s["start_step"]
+    saved = resumed * 2 // 3
+    assert f"checkpoint of step {saved}, which is step {resumed} with 2 worker nodes" in line, (line, resumed)
+    assert f"resumed from {run_dir}/checkpoints/ckpt-{saved:08d}.pt at step {resumed} " in err, err
+    assert s["lost_workers"] == [{"nodes": [2], "ranks": [2], "host": None, "restart": 1,
+                                  "images": resumed * 2 * 32, "step": resumed}], s["lost_workers"]
     no_orphans(procs)
 
 

@@ -3,6 +3,7 @@ disk (a small tmpfs), damaged and unsafe files, a chief killed in the middle of 
 
 import json
 import os
+import pickle
 import re
 import select
 import signal
@@ -225,10 +226,15 @@ def test_corrupt_or_unsafe_init_from_is_one_line_naming_the_file(tmp_path, env):
     data = (tmp_path / "w.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
     torch.save({"conv1.weight": Evil()}, tmp_path / "evil.pt")
+    with open(tmp_path / "raw.pkl", "wb") as fh:  # torch warned of its pickle protocol before refusing it
+        pickle.dump({"conv1.weight": torch.ones(2)}, fh)
     for name, says in (("cut.safetensors", "is not a readable safetensors file (truncated or corrupt)"),
-                       ("evil.pt", "holds Python objects other than tensors")):
+                       ("evil.pt", "holds Python objects other than tensors"),
+                       ("raw.pkl", "a raw pickle, or one holding Python objects other than tensors; refused")):
         r = cli(tmp_path / f"run-{name}", "train.steps=2", f"model.init_from={tmp_path / name}", env=env)
         assert r.returncode == 1, r.stderr
         error = error_line(r)
         assert f"model.init_from: {tmp_path / name}" in error and says in error, error
-        assert "weights_only=False" not in r.stderr and "unsafe code ran" not in r.stdout
+        assert r.stderr.splitlines() == [error], r.stderr  # scaletrain's line alone
+        assert "unsafe code ran" not in r.stdout
+        assert not (tmp_path / f"run-{name}").exists()  # refused before the run directory was made

@@ -474,6 +474,34 @@ def test_calibrate_batch_line():
     assert batch_line(32, 1.0, 16, 1.1) == (0.0, pytest.approx(1 / 32))
 
 
+def test_calibration_says_what_it_measures_and_how_long_is_left():
+    """A line before each measurement (calibrate's rounds take minutes each), with the time left
+    from the times each took before: a lower bound while some have not run yet."""
+    from scaletrain.perfmodel.rounds import duration, rounds
+
+    now = [0.0]
+
+    def taking(seconds, value):
+        def measure():
+            now[0] += seconds
+            return {"x": value}
+        return measure
+
+    lines = []
+    medians, _ = rounds({"a": taking(60, 1.0), "b": taking(240, 2.0)}, 3, lines.append, clock=lambda: now[0])
+    assert lines == ["  round 1 of 3: a, b",
+                     "    a: 1 of 6, 0 s in",
+                     "    b: 2 of 6, 60 s in, at least 2 min left",
+                     "  round 2 of 3: a, b",
+                     "    a: 3 of 6, 5 min in, about 10 min left",
+                     "    b: 4 of 6, 6 min in, about 9 min left",
+                     "  round 3 of 3: a, b",
+                     "    a: 5 of 6, 10 min in, about 5 min left",
+                     "    b: 6 of 6, 11 min in, about 4 min left"]
+    assert medians == {"a": {"x": 1.0}, "b": {"x": 2.0}}
+    assert duration(3 * 3600 + 20 * 60) == "3 h 20 min"
+
+
 def test_median_profile_of_several_calibrations(tmp_path):
     from scaletrain.perfmodel.calibrate import median_profile
 

@@ -263,6 +263,46 @@ def test_cancelled_job_says_cancelled(cluster, tmp_path):
     assert not left_behind(run_dir)
 
 
+def test_a_busy_rendezvous_port_is_named_at_once_or_gives_way(cluster, tmp_path):
+    """The batch step checks the rendezvous port on its host before srun starts a task: a busy
+    cluster.master_port ends the job at once, its output with one line naming the port and the fix,
+    status 2 (srun killed the others with 137 after cluster.timeout_s); a busy port from the job id
+    gives way to a free one."""
+    from scaletrain.launch.env import slurm_port
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        run_dir = tmp_path / "given"
+        r, logs = submit(cluster, run_dir, "cluster.nodes=2", f"cluster.master_port={port}")
+        assert r.returncode == 2 and "failed (exit status 2)" in r.stderr, r.stdout + r.stderr + logs
+        [out] = (run_dir / "logs").glob("slurm-*.out")
+        assert out.read_text().strip().splitlines()[-1] == \
+            f"scaletrain: error: cluster.master_port = {port}: cannot listen on node1:{port} (Address already in " \
+            "use); choose another port or 0 for a free one", logs
+        assert not list((run_dir / "logs").glob("rank*.json"))  # no task was started
+    held = {}  # port -> socket: the ports of the next job ids
+    try:
+        for job in range(1, 300):
+            sock = socket.socket()
+            try:
+                sock.bind(("", slurm_port(str(job))))
+                sock.listen(1)
+                held[slurm_port(str(job))] = sock
+            except OSError:
+                sock.close()
+        run_dir = tmp_path / "default"
+        r, logs = submit(cluster, run_dir, "cluster.nodes=2")
+    finally:
+        for sock in held.values():
+            sock.close()
+    assert r.returncode == 0, r.stdout + r.stderr + logs
+    job = re.search(r"submitted batch job (\d+)", r.stdout).group(1)
+    used = int(re.search(r"rendezvous node1:(\d+)", logs).group(1))
+    assert slurm_port(job) in held and used != slurm_port(job), (job, used)
+
+
 def test_job_past_its_time_limit_says_timed_out(cluster, tmp_path):
     run_dir = tmp_path / "timeout"
     # One minute is Slurm's shortest limit; with no warning signal the job runs into it.

@@ -21,6 +21,7 @@ import pickle
 import re
 import shutil
 import threading
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +203,9 @@ def unreadable_reason(path: Path, e: Exception) -> str:
     pages long and may advise loading with weights_only=False)."""
     if isinstance(e, OSError):
         return f"cannot be read ({e.strerror or e})"
+    if isinstance(e, pickle.UnpicklingError) and not zipfile.is_zipfile(path):  # pickle.dump, torch's old format
+        return ("a raw pickle, or one holding Python objects other than tensors; refused, since loading it "
+                "could run code")
     if not zipfile.is_zipfile(path):
         return "truncated, or not written by torch.save (no complete zip archive)"
     if isinstance(e, pickle.UnpicklingError):
@@ -209,16 +213,21 @@ def unreadable_reason(path: Path, e: Exception) -> str:
     return "corrupt (torch cannot read the data in its archive)"
 
 
-def read(path: Path) -> Any:
-    """torch.load with weights_only=True; CheckpointError naming the file and why it was refused."""
+def read(path: Path, mmap: bool = False) -> Any:
+    """torch.load with weights_only=True; CheckpointError naming the file and why it was refused.
+    mmap: the tensors are mapped, not read (for a look at a checkpoint's step)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns of a pickle protocol it did not write before refusing a raw pickle: the
+            # line below says why the file is refused; its warning would come first, in torch's words.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any refusal is one line naming the file
         raise CheckpointError(f"{path}: {unreadable_reason(path, e)}") from None
 
 
-def _read_checkpoint(path: Path) -> dict[str, Any]:
-    state = read(path)
+def _read_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    state = read(path, mmap)
     if not isinstance(state, dict) or not {"step", "config", "model"} <= state.keys():
         raise CheckpointError(f"{path}: not a scaletrain checkpoint (no step, config or model)")
     return state
@@ -237,6 +246,29 @@ def newest(ckpt_dir: Path) -> tuple[dict[str, Any], Path, list[tuple[int, str]]]
     if bad:
         raise CheckpointError(f"no checkpoint in {ckpt_dir} could be read: " + "; ".join(r for _, r in bad))
     return None
+
+
+def position(ckpt_dir: Path) -> tuple[int, int] | None:
+    """The step and images applied of the newest checkpoint that loads (what a resume starts from),
+    read without loading its tensors; None when there is none."""
+    for _, p in reversed(list_complete(ckpt_dir)):
+        try:
+            state = _read_checkpoint(p, mmap=True)
+        except CheckpointError:
+            continue
+        return state["step"], images_of(state)
+    return None
+
+
+def images_of(state: dict[str, Any]) -> int:
+    """The images the job had applied at a checkpoint; one written before they were kept: its
+    step x its config's job step (replicas x data.batch_size)."""
+    if "images" in state:
+        return state["images"]
+    from .config import Config
+
+    saved = {**Config().flat(), **state["config"]}
+    return state["step"] * saved["cluster.nodes"] * saved["cluster.gpus_per_node"] * saved["data.batch_size"]
 
 
 def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:
@@ -371,6 +403,9 @@ def resume(ckpt_dir: Path, cfg, model: torch.nn.Module, optimizer, distributed: 
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
-    state.setdefault("images", state["step"] * step_images)  # checkpoints written before images were kept
-    log.info("resumed from %s at step %d", path, state["step"])
+    state["images"] = images_of(state)
+    # The step of this job: the checkpoint's own counts job steps of its node count, which may differ.
+    step = state["images"] // step_images
+    log.info("resumed from %s at step %d%s", path, step,
+             f" (the checkpoint's step {state['step']}, of another node count)" if step != state["step"] else "")
     return Resumed(state, path, state["images"], state["best_test_accuracy"], set(state["bad"]))

@@ -32,7 +32,9 @@ store (dist.store_gather, dist.finish), where a dropped rank is not waited for.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -42,6 +44,18 @@ HEARTBEAT_S = 0.5
 STALE_S = 3.0  # a counter still this long marks its rank as missing
 CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
 EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent dies, however it dies, kill -9
+    included. A fork does not inherit it, so each generation sets its own: the launcher's
+    processes, and their loader processes. parent: the pid that started this process; if it died
+    before the signal was set (this process was adopted meanwhile), exit now. The signal comes when
+    the parent's thread that started this process ends: the main thread, for every caller here."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def default_store():

@@ -25,6 +25,7 @@ from typing import Any
 
 from .errors import EXIT_STOPPED, LaunchError, RunError, Stopped
 from .launch import env as launch_env
+from .schedule import step_images
 
 
 def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
@@ -41,12 +42,13 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
                  plan_node: int | None = None) -> dict[str, Any]:
     """Train cfg into run_dir; the run's summary (summary.json).
 
-    Raises PlanError or LaunchError (a job that cannot start as asked), one of
+    Raises PlanError, LaunchError or ConfigError (a job that cannot start as asked), one of
     errors.USER_ERRORS (a job that failed; str() is one line), Stopped (a stop
     signal: every process checkpointed at one step and stopped) and
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
     plan_node: under torchrun, this agent's node index in the plan.
     """
+    from .data import check_data
     from .device import facts
     from .rundir import prepare_run_dir
     from .train import train
@@ -60,16 +62,21 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
         from .launch.entry import exit_now, run
 
         exit_now(run(cfg, run_dir, resume, progress, node=plan_node))
+    # Before the launcher makes the run directory: data its processes cannot use leaves none behind.
+    # It costs one listing of the files, which each worker makes again.
+    check_data(cfg)
     if launch_env.in_slurm_allocation():
         from .launch.slurm import run_job as start
     else:
         from .launch.local import launch as start
     restarts, failure = 0, run_dir / "logs" / "failure.json"
+    lost: list[dict] = []  # the worker nodes restarts left out, for summary.json's lost_workers
+    excluded: list[str] = []  # their hosts, under Slurm
     while True:
         failure.unlink(missing_ok=True)
         rc = start(cfg, run_dir, resume=resume, progress=progress)
         if rc == 0 and (run_dir / "summary.json").exists():
-            return json.loads((run_dir / "summary.json").read_text())
+            return _with_lost(run_dir, lost)
         if rc == 0:
             raise RunError(f"every process ended, but none wrote {run_dir / 'summary.json'}; logs in {run_dir / 'logs'}")
         if rc in (EXIT_STOPPED, 130):  # the launcher saw every process stop on request
@@ -80,28 +87,47 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
                            + f"; logs in {run_dir / 'logs'}")
         restarts += 1
         resume = bool(_checkpoints(run_dir))
-        smaller, without = _without(cfg, culprit)
+        failed, without = cfg, ""
+        smaller = _without(cfg, culprit)
         if smaller is not None:
-            cfg = smaller
+            cfg, node = smaller, culprit["node"]
+            without = f" without node {node + 1} ({cfg.cluster.nodes} worker nodes, cluster.min_nodes = " \
+                      f"{cfg.cluster.min_nodes})"
             if launch_env.in_slurm_allocation():
-                start = partial(start, exclude=(culprit.get("host"),))
-        print(f"scaletrain: {culprit['what']}; restart {restarts} of {cfg.cluster.max_restarts}{without}: "
-              f"{_where(run_dir, lost=True)}", file=sys.stderr, flush=True)
+                excluded.append(culprit.get("host"))
+                start = partial(start, exclude=tuple(excluded))
+        line, images = _restart_from(run_dir, failed, cfg)
+        if smaller is not None:  # numbered as the job that lost it numbered its nodes and ranks
+            ranks = [p.rank for p in launch_env.plan_for(failed).procs if p.node == node]
+            lost.append({"nodes": [node], "ranks": ranks, "host": culprit.get("host"), "restart": restarts,
+                         "images": images, "step": images // step_images(cfg)})
+        print(f"scaletrain: {culprit['what']}; restart {restarts} of {cfg.cluster.max_restarts}{without}: {line}",
+              file=sys.stderr, flush=True)
 
 
 def _without(cfg, culprit: dict):
     """The config of a restart that leaves the failed worker node out, when cluster.min_nodes
-    allows it, and the words that say so; (None, "") otherwise. The target stays the same
-    images: train.steps counts global batches, which get smaller."""
+    allows it; None otherwise. The target stays the same images: train.steps counts global
+    batches, which get smaller."""
     c = cfg.cluster
-    node = culprit.get("node")
-    if node is None or culprit.get("role") != "worker" or not c.min_nodes or c.nodes - 1 < c.min_nodes:
-        return None, ""
+    if culprit.get("node") is None or culprit.get("role") != "worker" or not c.min_nodes or c.nodes - 1 < c.min_nodes:
+        return None
     sets = {"cluster.nodes": c.nodes - 1}
     if cfg.train.steps:
         sets["train.steps"] = math.ceil(cfg.train.steps * c.nodes / (c.nodes - 1))
-    return cfg.replace(**sets), (f" without node {node + 1} ({c.nodes - 1} worker nodes, "
-                                 f"cluster.min_nodes = {c.min_nodes})")
+    return cfg.replace(**sets)
+
+
+def _with_lost(run_dir: Path, lost: list[dict]) -> dict[str, Any]:
+    """The run's summary, with the worker nodes restarts left out added to the job's own lost_workers."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text())
+    if lost:
+        from .checkpoint import write_file
+
+        summary["lost_workers"] = lost + summary.get("lost_workers", [])
+        write_file(path, (json.dumps(summary, indent=2) + "\n").encode(), "the summary")
+    return summary
 
 
 def _checkpoints(run_dir: Path) -> list[int]:
@@ -110,18 +136,37 @@ def _checkpoints(run_dir: Path) -> list[int]:
     return [step for step, _ in list_complete(run_dir / "checkpoints")]
 
 
-def _where(run_dir: Path, lost: bool = False) -> str:
-    """Where a stopped or failed job stands: its newest checkpoint, and the steps done since."""
-    steps = _checkpoints(run_dir)
-    last = 0
+def _logged(run_dir: Path) -> tuple[int, int]:
+    """The step and images of the newest metrics row; (0, 0) before the first."""
     try:
-        rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-        last = max((json.loads(r).get("step", 0) for r in rows[-50:] if r.strip()), default=0)
+        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()[-50:] if r.strip()]
     except (OSError, ValueError):
-        pass
+        return 0, 0
+    newest = max(rows, key=lambda r: r.get("images", 0), default={})
+    return newest.get("step", 0), newest.get("images", 0)
+
+
+def _restart_from(run_dir: Path, failed, cfg) -> tuple[str, int]:
+    """What a restart of the job `failed` as `cfg` resumes from, in words, and the images applied
+    there: the step is said as cfg's job counts it (another count where a node was left out), the
+    logged steps lost as the failed job's."""
+    from .checkpoint import position
+
+    at = position(run_dir / "checkpoints")
+    step, images = _logged(run_dir)
+    if at is None:
+        return f"no checkpoint yet: starting again from step 0 ({step} steps lost)", 0
+    saved, applied = at
+    resumes = applied // step_images(cfg)
+    lost = max(images - applied, 0) // step_images(failed)
+    return (f"resuming from the checkpoint of step {saved}"
+            + (f", which is step {resumes} with {cfg.cluster.nodes} worker nodes" if resumes != saved else "")
+            + f" ({lost} logged steps lost)"), applied
+
+
+def _where(run_dir: Path) -> str:
+    """Where a stopped job stands: its newest checkpoint."""
+    steps = _checkpoints(run_dir)
     if not steps:
-        return f"no checkpoint yet: starting again from step 0 ({last} steps lost)" if lost else \
-            "stopped before its first checkpoint"
-    if lost:
-        return f"resuming from the checkpoint of step {steps[-1]} ({max(last - steps[-1], 0)} logged steps lost)"
+        return "stopped before its first checkpoint"
     return f"stopped at step {steps[-1]}; its checkpoint is complete; the same command continues the run"

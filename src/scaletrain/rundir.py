@@ -11,25 +11,31 @@ from typing import Any
 
 from . import checkpoint, schedule
 from .config import Config
-from .errors import Finished, RunError
+from .errors import ConfigError, Finished
 
 log = logging.getLogger("scaletrain")
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
     """Checks made before any process starts (and before a launcher writes config.toml, so a
-    refused run leaves the directory as it was), then the directory. Returns whether the run
-    continues from a checkpoint: with --resume, or on its own when the directory holds a
-    checkpoint written with this config (one with another config is refused, naming the keys).
-    Raises Finished when that run is over for this config (finished_at): a run is never overwritten."""
+    refused run leaves the directory as it was). Returns whether the run continues from a
+    checkpoint: with --resume, or on its own when the directory holds a checkpoint written with
+    this config (one with another config is refused, naming the keys). Raises Finished when that
+    run is over for this config (finished_at): a run is never overwritten. A directory that is not
+    there yet is not made here but by the first to write to it (`make`, a launcher), once the
+    config and the data have been checked: a run refused before that leaves nothing behind."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--run-dir {run_dir} is a file, not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"--run-dir {run_dir}: cannot create it ({e.strerror})") from None
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a directory")
+    if not run_dir.exists():
+        parent = run_dir.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            why = "a file" if not parent.is_dir() else "not writable"
+            raise ConfigError(f"--run-dir {run_dir}: cannot create it ({parent} is {why})")
+        return resume
     if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise RunError(f"--run-dir {run_dir} is not writable")
+        raise ConfigError(f"--run-dir {run_dir} is not writable")
     for stale in run_dir.glob("*.tmp"):  # model.safetensors or summary.json of a killed run, half written
         stale.unlink()
     found = checkpoint.newest(run_dir / "checkpoints")  # quiet: the resume itself warns of a fallback
@@ -43,8 +49,17 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
                        f"its results are in {run_dir / 'summary.json'}; nothing was run "
                        "(raise train.steps or train.epochs to continue it)")
     if not resume:
-        log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name, state["step"])
+        log.info("%s holds a run of this config: resuming from %s (step %d)", run_dir, path.name,
+                 checkpoint.images_of(state) // schedule.step_images(cfg))
     return True
+
+
+def make(run_dir: Path) -> None:
+    """Make the run directory (and its parents) when it is not there yet."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({e.strerror})") from None
 
 
 def finished_at(run_dir: Path, cfg: Config, state: dict[str, Any]) -> int | None:

@@ -57,9 +57,14 @@ def job_steps(train_steps: int, epochs: float, train_images: int, step_images: i
     return train_steps or max(1, math.ceil(epochs * (train_images // step_images)))
 
 
+def step_images(cfg) -> int:
+    """Images of one job step of cfg: replicas x data.batch_size."""
+    return cfg.cluster.nodes * cfg.cluster.gpus_per_node * cfg.data.batch_size
+
+
 def from_config(cfg, train_images: int) -> Schedule:
     """The job's schedule: replicas x batch per job step, the run's length, its cadences."""
-    t, c = cfg.train, cfg.cluster
-    step_images = c.nodes * c.gpus_per_node * cfg.data.batch_size
-    return Schedule(step_images, job_steps(t.steps, t.epochs, train_images, step_images),
+    t = cfg.train
+    per_step = step_images(cfg)
+    return Schedule(per_step, job_steps(t.steps, t.epochs, train_images, per_step),
                     t.eval_every, t.checkpoint_every, t.log_every)

@@ -37,7 +37,7 @@ from .models import build_model
 from .optim import build_optimizer, lr_at
 from .strategies import build_strategy, images_per_update
 from .replicas import evaluate, load_replica_buffers, replica_buffers
-from .rundir import prepare_run_dir
+from .rundir import make as make_run_dir, prepare_run_dir
 from .strategies.base import Tick
 
 log = logging.getLogger("scaletrain")
@@ -92,6 +92,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     resumed = checkpoint.resume(run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
                                 sched.step_images) if resume else None
     if ctx.is_chief:
+        make_run_dir(run_dir)  # only now: a config or data refused above leaves no directory behind
         (run_dir / "config.toml").write_text(dump_toml(cfg))
         (run_dir / "classes.txt").write_text("\n".join(classes) + "\n")
     strategy = build_strategy(cfg, ctx, model, opt, sched)

@@ -16,10 +16,13 @@ float32; Prepare turns them into the network's input on the device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from ..liveness import die_with_parent
 from . import decode
 from .augment import Augment, centre, on_device
 from .sources import BadImage
@@ -134,16 +137,18 @@ class Prepare:
         return x, batch.y.to(self.device, non_blocking=True)
 
 
-def _one_thread(_: int) -> None:
+def _loader_setup(parent: int, _: int) -> None:
     # Loader processes decode and augment; one thread each avoids
     # oversubscribing the cores the training process computes on.
     torch.set_num_threads(1)
+    # Gone with the training process, at once: torch's own check of the parent waits up to 5 s.
+    die_with_parent(parent)
 
 
 def make_loader(dataset, sampler, workers: int, prefetch: int, pin: bool) -> torch.utils.data.DataLoader:
     kw = dict(num_workers=workers, collate_fn=collate, pin_memory=pin)
     if workers:
-        kw.update(prefetch_factor=prefetch, worker_init_fn=_one_thread)
+        kw.update(prefetch_factor=prefetch, worker_init_fn=partial(_loader_setup, os.getpid()))
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kw)
 
 

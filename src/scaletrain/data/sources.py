@@ -201,12 +201,31 @@ def file_lists(cfg) -> tuple[tuple[list, list], tuple[list, list], list[str]]:
     return train, test, classes
 
 
+def check_data(cfg) -> None:
+    """The DataError the job's processes would meet building cfg's datasets, raised here first: a
+    launcher checks before it makes the run directory or starts a process. Files are listed and
+    checked, not read; the built-in sets are not made."""
+    d = cfg.data
+    if d.name == "digits":
+        _digits_fit(cfg.model.num_classes)
+    elif d.name == "shards":
+        from .shards import open_shards
+
+        open_shards(d.root, cfg.model.num_classes, d.shuffle_buffer)
+    elif d.name != "synthetic":
+        file_lists(cfg)
+
+
+def _digits_fit(num_classes: int) -> None:
+    if num_classes < 10:
+        raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {num_classes} is too small")
+
+
 def build_datasets(cfg) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
     """(train, test, class names) for a Config."""
     d, n = cfg.data, cfg.model.num_classes
     if d.name == "digits":
-        if n < 10:
-            raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {n} is too small")
+        _digits_fit(n)
         return digits(d.image_size)
     if d.name == "synthetic":
         return synthetic(d.image_size, n, d.synthetic_size)

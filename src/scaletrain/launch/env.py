@@ -12,7 +12,8 @@ a job id that names the rendezvous so one job never joins another's):
 - Slurm (srun): SLURM_PROCID (the global rank: tasks are placed in plan order),
   SLURM_NTASKS, SLURM_NODEID (checked against the plan), SLURM_LOCALID,
   SLURM_JOB_NODELIST (the rendezvous is on its first node), SLURM_JOB_ID (the
-  job id, and the default port).
+  job id, and the default port), SCALETRAIN_PORT (the port, where
+  `scaletrain train` started the step and checked it).
 """
 
 from __future__ import annotations
@@ -170,4 +171,5 @@ def _slurm_seat(plan: Plan, master_port: int, env) -> Seat:
                           "start the job with `scaletrain slurm` (it places tasks in plan order)")
     hosts = slurm_hosts(plan, env)
     job = env.get("SLURM_JOB_ID", "0")
-    return Seat(rank, world, hosts[0], master_port or slurm_port(job), f"slurm-{job}", "slurm")
+    port = int(env.get("SCALETRAIN_PORT") or master_port or slurm_port(job))  # run_job's, where it started the step
+    return Seat(rank, world, hosts[0], port, f"slurm-{job}", "slurm")

@@ -26,7 +26,6 @@ whatever kills the launcher, even kill -9, takes its processes with it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -41,6 +40,7 @@ from ..device import facts
 from ..config import Config, dump_toml
 from ..dist import EXIT_PEER
 from ..errors import EXIT_STOPPED
+from ..liveness import die_with_parent
 from ..plan import Plan
 from .. import strategies
 from ..plan import node_name
@@ -53,18 +53,19 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def check_port(addr: str, port: int) -> None:
+def check_port(addr: str, port: int, host: str = "") -> None:
+    """LaunchError naming cluster.master_port when the rendezvous could not listen on addr:port
+    (host: this host's name in the message, where addr is every interface's "")."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError as e:
-            raise LaunchError(f"cluster.master_port = {port}: cannot listen on {addr}:{port} ({e.strerror}); "
+            raise LaunchError(f"cluster.master_port = {port}: cannot listen on {host or addr}:{port} ({e.strerror}); "
                               "choose another port or 0 for a free one") from None
 
 
 FROZEN_S = 5.0  # after the first process left because of a peer, those still running this long are frozen
-PR_SET_PDEATHSIG = 1
 
 
 def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
@@ -77,12 +78,12 @@ def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
     return f"{plan.describe(rank)} {how}"
 
 
-def _child_setup(held: list[int]) -> None:
+def _child_setup(held: list[int], launcher: int) -> None:
     """In the child, before exec: the kernel kills it when the launcher dies, however it dies; and the
     stop signals are held (blocked, so they wait pending) until the process has its handlers
     (dist.catch_stop_signals): one forwarded while it still imports torch or meets the others would
     kill it, and the launcher would take that for a failure."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(launcher)
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
 
 
@@ -125,7 +126,7 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
         cmd += [] if progress else ["--quiet"]
         out = None if p.rank == 0 else open(run_dir / "logs" / f"rank{p.rank}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      preexec_fn=partial(_child_setup, held)))
+                                      preexec_fn=partial(_child_setup, held, os.getpid())))
         if out:
             out.close()
     return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,

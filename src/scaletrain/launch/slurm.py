@@ -76,7 +76,7 @@ from . import cpus, fabric
 from .env import LaunchError, allocation_hosts, het_groups, plan_for, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
-from .local import read_ranks, write_failure
+from .local import check_port, free_port, read_ranks, write_failure
 
 WARNING = signal.SIGUSR1  # what --signal=B:USR1 sends before the time limit
 
@@ -186,7 +186,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     (run_dir / "config.toml").write_text(dump_toml(cfg))  # what every process of the step reads
     hostfile = run_dir / "logs" / f"hosts-{job}.txt"
     hostfile.write_text("".join(f"{hosts[p.node]}\n" for p in plan.procs))
-    port = cfg.cluster.master_port or slurm_port(job)
+    port = rendezvous_port(cfg, job, hosts[0], os.environ)
     threads = cpus.threads(plan, cfg, node_cpus(os.environ, hosts))
     print(f"Slurm job {job}: {plan.world_size} processes on {', '.join(hosts[:plan.nodes_total])}; "
           f"rendezvous {hosts[0]}:{port}; threads by rank {','.join(map(str, threads))}", flush=True)
@@ -201,7 +201,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     # The batch slot's layout (one task a node) is not the step's: srun would read it from there.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_NTASKS_PER_NODE")}
-    env.update(SCALETRAIN_THREADS=",".join(map(str, threads)))
+    env.update(SCALETRAIN_THREADS=",".join(map(str, threads)), SCALETRAIN_PORT=str(port))
     if not het:  # srun takes a host file's hosts as every component's node list
         env.update(SLURM_HOSTFILE=str(hostfile))
     step: list[subprocess.Popen] = []
@@ -240,6 +240,25 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
               f"srun's status {rc} is theirs", flush=True)
         return 0
     return rc
+
+
+def rendezvous_port(cfg: Config, job: str, host: str, env) -> int:
+    """The port of the job's rendezvous on `host`, the first of the step: cluster.master_port, or
+    one from the job id (env.slurm_port). The batch step runs on that host (the allocation's
+    first), so the port is checked here, before any task starts, as the local launcher does: a
+    busy cluster.master_port is one line naming it (LaunchError, status 2), and a busy port from
+    the job id gives way to a free one. Rank 0 would otherwise fail alone, and srun kill the
+    others once cluster.timeout_s had passed. Unchecked where the rendezvous is on another host."""
+    port = cfg.cluster.master_port or slurm_port(job)
+    if env.get("SLURMD_NODENAME") != host:
+        return port
+    try:
+        check_port("", port, host)
+    except LaunchError:
+        if cfg.cluster.master_port:
+            raise
+        return free_port("")
+    return port
 
 
 def node_cpus(env, hosts: list[str]) -> list[int]:

@@ -58,6 +58,7 @@ from ..config import Config
 from ..errors import ProfileError
 from ..metrics import pinned, sync
 from .profile import Profile, load_profile
+from .rounds import rounds
 
 SMALL = 1  # elements of the latency message (4 bytes)
 # Elements of the bandwidth message, at least: a small gradient's transfer takes about as long
@@ -226,23 +227,6 @@ def measure_copy(numel: int, device: torch.device) -> float:
         dst.copy_(src, non_blocking=dst.is_pinned())
         sync(device)  # host-device sync: the copy is whole when the clock stops, as the push waits for it
     return _timed(copy, 10)
-
-
-def rounds(measures: dict[str, Any], runs: int, say=print) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Call every measure (name -> fn returning a dict of figures) once a round, for `runs`
-    rounds, so that a slow spell of the host falls on every figure alike. Returns each
-    figure's median over the rounds, and its spread: (max - min) / median, keyed NAME.FIGURE."""
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in measures}
-    for j in range(runs):
-        say(f"  round {j + 1} of {runs}: " + ", ".join(measures))
-        for name, measure in measures.items():
-            results[name].append(measure())
-    medians, spreads = {}, {}
-    for name, rs in results.items():
-        medians[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        for k, m in medians[name].items():
-            spreads[f"{name}.{k}"] = round((max(r[k] for r in rs) - min(r[k] for r in rs)) / m if m else 0.0, 4)
-    return medians, spreads
 
 
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print) -> tuple[Profile, dict]:
