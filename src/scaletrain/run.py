@@ -60,6 +60,9 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
         from .launch.entry import exit_now, run
 
         exit_now(run(cfg, run_dir, resume, progress, node=plan_node))
+    from .data import check_files
+
+    check_files(cfg, run_dir)  # once for the job, before its processes start; its chief finds the record
     if launch_env.in_slurm_allocation():
         from .launch.slurm import run_job as start
     else:
