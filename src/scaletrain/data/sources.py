@@ -10,8 +10,8 @@ without decoding (a missing file, a label out of range) are raised as
 DataError at start-up, naming the file and line.
 
 Whether every file a manifest lists exists is checked once a job, not once a
-process: a stat a row, 1.2 million of them, takes seconds on a local disk and
-minutes on a parallel file system, from every process. The launcher checks
+process: it is a stat a row (1.2 million for ImageNet), each a request to a
+parallel file system's metadata servers, times the processes. The launcher checks
 before it starts the processes (run.py), else the chief; the check is recorded
 in the run directory against the manifests' sizes and times (a changed
 manifest is checked again), and the other processes find a file gone since
