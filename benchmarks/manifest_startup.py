@@ -10,7 +10,12 @@ it runs `scaletrain train` with the local launcher on emulated nodes (2 replicas
 (its `time`), so it holds the launcher, every process's start, reading the manifest,
 checking its files, the rendezvous and one step. manifest_s is start_s over the large
 manifest less over the small one, medians of --repeats runs, made round-robin over the
-rows so a change in machine load hits all of them.
+rows so a change in machine load hits all of them; paired_manifest_s is the median of
+each repeat's difference (its two runs were made one after the other).
+
+--count-stats adds one run a row under strace: image_stats counts the metadata calls on the
+image files (stat, access: everything but opens) in the whole job, stat_processes the
+processes that made them, image_opens the files the steps read.
 
 --before REV runs the same rows with the scaletrain of commit REV too (its src/ from git
 archive), so one file holds both. Prints one JSON object; --save also writes it to
@@ -74,7 +79,15 @@ def git(*args: str) -> str:
     return r.stdout.strip()
 
 
-def one_run(src: Path, manifest: Path, procs: int, steps: int, run_dir: Path) -> dict:
+def count_calls(trace: Path, images: str) -> dict:
+    """Calls on the image files in an strace -f log (lines: PID syscall(args) = result)."""
+    calls = [line.split(None, 2)[:2] for line in trace.read_text().splitlines() if images in line]
+    stats = [(pid, call) for pid, call in calls if not call.startswith("open")]
+    return {"image_stats": len(stats), "stat_processes": len({pid for pid, _ in stats}),
+            "image_opens": len(calls) - len(stats)}
+
+
+def one_run(src: Path, manifest: Path, procs: int, steps: int, run_dir: Path, trace: Path | None = None) -> dict:
     sets = {"model.num_classes": CLASSES, "model.width": 8, "data.name": "manifest", "data.root": manifest,
             "data.image_size": 16, "data.batch_size": 8, "data.augment": "[]", "data.workers": 0,
             "data.test_fraction": 0.0, "train.steps": steps, "train.log_every": 1, "train.warmup_log_steps": 0,
@@ -86,6 +99,8 @@ def one_run(src: Path, manifest: Path, procs: int, steps: int, run_dir: Path) ->
         cmd += ["--set", f"{k}={v}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    if trace:  # every file call of the job's processes, the launcher's included
+        cmd = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", str(trace), *cmd]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     total = time.time() - t0
@@ -93,7 +108,8 @@ def one_run(src: Path, manifest: Path, procs: int, steps: int, run_dir: Path) ->
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()[-2000:]}")
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
     first = min(r["time"] for r in rows if r["kind"] == "train")
-    return {"start_s": round(first - t0, 2), "total_s": round(total, 2)}
+    out = {"start_s": round(first - t0, 2), "total_s": round(total, 2)}
+    return {**out, **count_calls(trace, str(manifest.parent / "img") + "/")} if trace else out
 
 
 def main() -> None:
@@ -105,6 +121,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--before", metavar="REV", help="also run the scaletrain of this commit")
+    ap.add_argument("--count-stats", action="store_true", help="also count calls on the image files (strace)")
     ap.add_argument("--save", action="store_true", help="write the JSON under benchmarks/results/ too")
     a = ap.parse_args()
     files = a.files or a.rows
@@ -126,14 +143,22 @@ def main() -> None:
                             tmp / f"run-{tree}-{procs}-{which}-{rep}")
                 got[c].append(r)
                 print(f"manifest_startup: {tree} {procs} processes, {which} manifest: {r}", file=sys.stderr)
+        counted = {}
+        for tree, procs in ((t, n) for n in a.procs for t in trees) if a.count_stats else ():
+            counted[(tree, procs)] = one_run(trees[tree][0], tmp / "data" / "large.csv", procs, a.steps,
+                                             tmp / f"run-{tree}-{procs}-strace", trace=tmp / "trace")
+            print(f"manifest_startup: {tree} {procs} processes under strace: {counted[(tree, procs)]}",
+                  file=sys.stderr)
     results = []
     for tree in trees:
         for procs in a.procs:
-            med = {w: statistics.median(r["start_s"] for r in got[(tree, procs, w)]) for w in ("large", "small")}
+            runs = {w: got[(tree, procs, w)] for w in ("large", "small")}
+            med = {w: statistics.median(r["start_s"] for r in runs[w]) for w in runs}
+            paired = statistics.median(l["start_s"] - s["start_s"] for l, s in zip(runs["large"], runs["small"]))
             results.append({"tree": tree, "commit": trees[tree][1], "procs": procs,
                             "start_s": med["large"], "start_small_s": med["small"],
-                            "manifest_s": round(med["large"] - med["small"], 2),
-                            "runs": {w: got[(tree, procs, w)] for w in ("large", "small")}})
+                            "manifest_s": round(med["large"] - med["small"], 2), "paired_manifest_s": round(paired, 2),
+                            **({"strace": counted[(tree, procs)]} if (tree, procs) in counted else {}), "runs": runs})
     from scaletrain.metrics import run_info  # torch: only once the jobs are done
     import torch
 
