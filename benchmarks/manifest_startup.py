@@ -8,10 +8,12 @@ it runs `scaletrain train` with the local launcher on emulated nodes (2 replicas
 --procs 2 = 1 node, 8 = 4 nodes), resnet8, data.workers = 0, one torch thread a process,
 --steps steps, no test set. start_s is launch -> the first train row of metrics.jsonl
 (its `time`), so it holds the launcher, every process's start, reading the manifest,
-checking its files, the rendezvous and one step. manifest_s is start_s over the large
+checking its files, the rendezvous and one step. cpu_s is the CPU time of the whole job
+(launcher and processes: user + system), which the load of other jobs blurs less. manifest_s is start_s over the large
 manifest less over the small one, medians of --repeats runs, made round-robin over the
 rows so a change in machine load hits all of them; paired_manifest_s is the median of
-each repeat's difference (its two runs were made one after the other).
+each repeat's difference (its two runs were made one after the other), manifest_cpu_s
+the same of cpu_s.
 
 --count-stats adds one run a row under strace: image_stats counts the metadata calls on the
 image files (stat, access: everything but opens) in the whole job, stat_processes the
@@ -31,6 +33,7 @@ import argparse
 import io
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -101,14 +104,15 @@ def one_run(src: Path, manifest: Path, procs: int, steps: int, run_dir: Path, tr
     env.update(PYTHONPATH=str(src), OMP_NUM_THREADS="1")
     if trace:  # every file call of the job's processes, the launcher's included
         cmd = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", str(trace), *cmd]
-    t0 = time.time()
+    cpu = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
+    c0, t0 = cpu(), time.time()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    total = time.time() - t0
+    total, cpu_s = time.time() - t0, cpu() - c0  # the launcher waited for its processes: their time is in
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()[-2000:]}")
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
     first = min(r["time"] for r in rows if r["kind"] == "train")
-    out = {"start_s": round(first - t0, 2), "total_s": round(total, 2)}
+    out = {"start_s": round(first - t0, 2), "total_s": round(total, 2), "cpu_s": round(cpu_s, 2)}
     return {**out, **count_calls(trace, str(manifest.parent / "img") + "/")} if trace else out
 
 
@@ -154,10 +158,12 @@ def main() -> None:
         for procs in a.procs:
             runs = {w: got[(tree, procs, w)] for w in ("large", "small")}
             med = {w: statistics.median(r["start_s"] for r in runs[w]) for w in runs}
-            paired = statistics.median(l["start_s"] - s["start_s"] for l, s in zip(runs["large"], runs["small"]))
+            paired = {k: statistics.median(l[k] - s[k] for l, s in zip(runs["large"], runs["small"]))
+                      for k in ("start_s", "cpu_s")}
             results.append({"tree": tree, "commit": trees[tree][1], "procs": procs,
                             "start_s": med["large"], "start_small_s": med["small"],
-                            "manifest_s": round(med["large"] - med["small"], 2), "paired_manifest_s": round(paired, 2),
+                            "manifest_s": round(med["large"] - med["small"], 2), "paired_manifest_s": round(paired["start_s"], 2),
+                            "manifest_cpu_s": round(paired["cpu_s"], 2),
                             **({"strace": counted[(tree, procs)]} if (tree, procs) in counted else {}), "runs": runs})
     from scaletrain.metrics import run_info  # torch: only once the jobs are done
     import torch
