@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from scaletrain.config import build_config
-from scaletrain.data import DataError, ShardedBatches, build_datasets, train_loader
+from scaletrain.data import BadImage, DataError, ShardedBatches, build_datasets, train_loader
 from scaletrain.data.loader import Samples
 from scaletrain.train import train
 
@@ -100,6 +100,53 @@ def test_a_data_error_leaves_no_run_directory(tmp_path, capsys, nodes):
         assert re.search(says, line), line
     assert not (tmp_path / "new").exists()
     assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
+
+
+def test_manifest_files_checked_once_and_again_when_it_changes(tmp_path):
+    """The check of a manifest's files is recorded in the run directory and stands while the manifest
+    is unchanged: a file deleted since is not looked for at start-up but named when it is read."""
+    rows = write_images(tmp_path / "data")
+    m = tmp_path / "data" / "m.csv"
+    m.write_text("".join(f"{p},{c}\n" for p, c in rows))
+    cfg, run = cfg_for("manifest", m), tmp_path / "run"
+    build_datasets(cfg, run)
+    record = run / "logs" / "manifest-checked.json"
+    made = record.stat().st_mtime_ns
+    gone = tmp_path / "data" / rows[5][0]
+    gone.unlink()
+    tr, te, _ = build_datasets(cfg, run)  # no stat a row: the record stands for this manifest
+    assert record.stat().st_mtime_ns == made
+    ds = tr if str(gone) in tr.paths else te
+    bad = Samples(ds, 16)[ds.paths.index(str(gone))]
+    assert isinstance(bad, BadImage) and bad.path == str(gone) and bad.reason.startswith("FileNotFoundError")
+    build_datasets(cfg, check=False)  # a process that is not the chief never looks
+    m.write_text(m.read_text() + f"{rows[0][0]},{rows[0][1]}\n")  # a changed manifest is checked again
+    with pytest.raises(DataError, match=rf"m\.csv line 6: image .*{re.escape(rows[5][0])} does not exist"):
+        build_datasets(cfg, run)
+
+
+def test_a_job_checks_its_manifest_once_before_its_processes_start(tmp_path, env):
+    """A 2-node local job: a missing file stops it in one line naming the file and its row before any
+    process starts; a good manifest is checked by the launcher, and its chief finds the record."""
+    rows = write_images(tmp_path / "data")
+    m = tmp_path / "data" / "m.csv"
+    good = "".join(f"{p},{c}\n" for p, c in rows)
+    m.write_text(good + "nothere.jpg,sad_dog\n")
+    run = tmp_path / "run"
+    cmd = scaletrain_cmd("train", "--recipe", "recipes/digits.toml", "--quiet", "--set", "data.name=manifest",
+                         "--set", f"data.root={m}", "--set", "model.num_classes=3", "--set", "model.width=4",
+                         "--set", "cluster.nodes=2", "--set", "data.batch_size=4", "--set", "data.workers=0",
+                         "--set", "data.test_fraction=0", "--set", "train.steps=2", "--run-dir", str(run))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert p.returncode == 1
+    assert p.stderr.splitlines() == [f"scaletrain: error: {m} line 13: image {tmp_path / 'data' / 'nothere.jpg'} "
+                                     "does not exist"]
+    assert not list(run.glob("logs/rank*"))  # no process was started
+    m.write_text(good)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    # written before the processes started (rank0.json is the chief's first act), not again by the chief
+    assert (run / "logs" / "manifest-checked.json").stat().st_mtime_ns < (run / "logs" / "rank0.json").stat().st_mtime_ns
 
 
 def corrupt_folder(tmp_path):

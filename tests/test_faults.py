@@ -217,15 +217,16 @@ def test_a_frozen_worker_is_named_and_the_job_ends_within_the_bound(tmp_path, en
 
 def test_a_worker_failing_at_start_ends_a_ps_job_within_seconds(tmp_path, env):
     run_dir = tmp_path / "run"
-    (tmp_path / "list.csv").write_text("path,label\nmissing.png,0\n")
     t0 = time.time()
+    # Fewer images than a global batch: every worker fails once it has its data set; the PS waits for them.
     r = subprocess.run(cmd(run_dir, "strategy.name=sync", "cluster.num_ps=1", "cluster.timeout_s=60",
-                           "data.name=manifest", f"data.root={tmp_path / 'list.csv'}", "data.test_fraction=0"),
+                           "data.name=synthetic", "data.synthetic_size=8"),
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.time() - t0
     assert r.returncode == 1, r.stderr
     assert elapsed < 30, (elapsed, r.stderr)
-    assert "missing.png" in r.stderr, r.stderr
+    assert "8 training images are fewer than one global batch" in r.stderr, r.stderr
+    assert list(run_dir.glob("logs/rank*.json")), "the processes were started"
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "sync"])

@@ -63,8 +63,8 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
 
         exit_now(run(cfg, run_dir, resume, progress, node=plan_node))
     # Before the launcher makes the run directory: data its processes cannot use leaves none behind.
-    # It costs one listing of the files, which each worker makes again.
-    check_data(cfg)
+    # A manifest's files are checked here once for the job, and the check recorded for its chief.
+    check_data(cfg, run_dir)
     if launch_env.in_slurm_allocation():
         from .launch.slurm import run_job as start
     else:

@@ -82,7 +82,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's kernels, NCCL and caching allocator on its own GPU only
     torch.manual_seed(cfg.train.seed)
-    train_set, test_set, classes = build_datasets(cfg)
+    # A manifest's files are checked once a job (data/sources.py): the chief does it unless the launcher did.
+    train_set, test_set, classes = build_datasets(cfg, run_dir, check=ctx.is_chief)
     model = build_model(cfg.model).to(device)
     channels_last = cfg.train.channels_last and device.type == "cuda"
     if channels_last:

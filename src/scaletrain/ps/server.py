@@ -363,7 +363,7 @@ def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
     if not cfg.train.steps:  # the run's length comes from the epoch size; only then is the data read
         from ..data import build_datasets
 
-        train_images = len(build_datasets(cfg)[0])
+        train_images = len(build_datasets(cfg, check=False)[0])  # its files: the workers' to read
     shard = Shard(cfg, ctx.me.index, pushers, e.server, strategies.wait_for(cfg, len(pushers)),
                   schedule.from_config(cfg, train_images), strategies.push_images(cfg),
                   strategies.images_per_update(cfg), ctx)
