@@ -10,7 +10,8 @@ one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
 are frozen, and are killed at once (without a note, those still running a
 few seconds after the first such exit are taken for frozen). The
 launcher names the first process that failed or went silent, not one that
-left because of it. A worker node the job may go on without
+left because of it, nor one it killed itself (rank 0 stays a moment after it
+leaves, serving the store, and may be killed then). A worker node the job may go on without
 (strategies.survivable) may end any way: the launcher waits for the chief's
 word (RUN_DIR/logs/dropped, see liveness.py), kills what of it still runs, and
 the job's status is that of the others.
@@ -165,15 +166,23 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
     failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
     frozen: list[int] = []
     spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
+    killed: set[int] = set()  # killed by this launcher while running: their end is not their failure
+
+    def kill(ranks) -> None:
+        # Rank 0 stays a moment after it leaves (it serves the store): killed then, it did not fail.
+        killed.update(r for r in ranks if procs[r].poll() is None)
+        _stop([procs[r] for r in ranks], signal.SIGKILL)
+
+    everyone = range(len(procs))
     with _Forward(procs, stop_signals) as fwd:
         while True:
             running = any(p.poll() is None for p in procs)  # taken first: the last sweep sees every exit
             now = time.time()
             dropped = read_ranks(run_dir, "dropped")
-            _stop([procs[r] for r in dropped], signal.SIGKILL)  # frozen, or woken too late: the job went on
+            kill(dropped)  # frozen, or woken too late: the job went on
             for rank, p in enumerate(procs):
                 rc = p.poll()
-                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in frozen + dropped + spared:
+                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in killed.union(frozen, dropped, spared):
                     continue
                 if failed is None and survivable(set(dropped + spared + strategies.lost_with(plan, rank))):
                     spared.append(rank)
@@ -184,16 +193,16 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
                     named = [r for r in read_ranks(run_dir, f"rank{rank}.lost") if procs[r].poll() is None]
                     if named and failed is None and not frozen:  # it left because of a peer that is frozen
                         frozen = named
-                        _stop(procs, signal.SIGKILL)
+                        kill(everyone)
                 elif failed is None:
                     failed = (rank, now)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; waiting up to {grace:.0f} s for the "
                           "others to stop", file=sys.stderr, flush=True)
             if failed is None and not frozen and left is not None and now - left[1] > FROZEN_S:
                 frozen = [r for r, p in enumerate(procs) if p.poll() is None]
-                _stop(procs, signal.SIGKILL)
+                kill(everyone)
             if failed is not None and now - failed[1] > grace:
-                _stop(procs, signal.SIGKILL)
+                kill(everyone)
             if not running:
                 break
             time.sleep(0.2)
