@@ -34,7 +34,7 @@ from .config import Config
 from .errors import EXIT_STOPPED, LaunchError, Stopped
 from .launch import fabric
 from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
-                       heartbeat, linger, write_note)
+                       heartbeat, linger, open_keys, write_note)
 from .plan import Plan, Proc, make_plan, node_name
 
 log = logging.getLogger("scaletrain")
@@ -142,6 +142,7 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
                   survivable=lambda lost: strategies.survivable(cfg, plan, lost),
                   lost_with=lambda rank: strategies.lost_with(plan, rank))
     me = ctx.me
+    open_keys(default_store(), me.rank)  # before the first collective over the world: every key is there after it
     on_gpu = agree_on_devices(plan, me.rank)
     local_backend = "nccl" if on_gpu and c.backend != "gloo" else "gloo"
     # NCCL communicators are built now, on this process's GPU (set_device came first), not at their first

@@ -49,6 +49,20 @@ def default_store():
     return dist.distributed_c10d._get_default_store()
 
 
+WORD = ["failed", "stop", "lost"]  # the job's word, read with the counters at every beat
+
+
+def open_keys(store, rank: int) -> None:
+    """Make the keys a heartbeat reads, before the collective that ends the rendezvous: one
+    multi_get reads them all and would wait for one missing. This rank's counter; from rank 0
+    the job's word (no failure announced, no stop asked, no rank lost)."""
+    store.add(f"hb/{rank}", 1)
+    if rank == 0:
+        store.add("failed", 0)
+        store.set("stop", "0")
+        store.set("lost", "")
+
+
 class _Liveness:
     """When each peer's heartbeat counter last moved, on this process's monotonic clock."""
 
@@ -57,14 +71,13 @@ class _Liveness:
         now = time.monotonic()
         self.seen = {r: (None, now) for r in range(ctx.plan.world_size) if r != ctx.rank}
 
-    def missing(self, store) -> list[int]:
+    def missing(self, store, counters: list[bytes]) -> list[int]:
         """Peers whose counter stood still for STALE_S and which did not finish cleanly."""
         now, out = time.monotonic(), []
         for r in self.seen:
-            value = store.add(self.keys[r], 0)  # reads the counter without waiting for the key
             last, since = self.seen[r]
-            if value != last:
-                self.seen[r] = (value, now)
+            if counters[r] != last:
+                self.seen[r] = (counters[r], now)
             elif now - since > STALE_S and not store.check([f"done/{r}"]):
                 out.append(r)
         return out
@@ -77,15 +90,20 @@ def heartbeat(ctx) -> None:
     while not ctx._stop.wait(HEARTBEAT_S):
         try:
             store.add(f"hb/{ctx.rank}", 1)
-            _share_stop(ctx, store)
-            _read_dropped(ctx, store, live)
-            announced = store.add("failed", 0)  # reads the counter
+            # Every counter and the job's word in one request: a beat costs the store two requests
+            # whatever the job's size. Read one by one, N processes would send N^2 a beat, each a
+            # wait for rank 0's store and for this process's GIL: on a few cores with the job
+            # starting, seconds a beat, and healthy processes taken for frozen ones.
+            *counters, failed, stop, lost = store.multi_get(live.keys + WORD)
+            _share_stop(ctx, store, int(stop))
+            _read_dropped(ctx, lost, live)
+            announced = int(failed)
             if announced > failures:  # a peer announced its failure: no need to wait it out
                 failures = announced
                 failed = _failed(ctx, store)
                 if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
                     _leave(ctx, store, failed, "failed")
-            gone = [r for r in live.missing(store) if r not in ctx.dropped]
+            gone = [r for r in live.missing(store, counters) if r not in ctx.dropped]
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             # Rank 0 may have left because of a peer already seen missing: name that one first.
             gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
@@ -109,10 +127,10 @@ def heartbeat(ctx) -> None:
             _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
 
 
-def _read_dropped(ctx, store, live: _Liveness) -> None:
+def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:
     """The ranks the chief declared lost: no longer waited for; this process exits if among them."""
-    if not ctx.is_chief and store.check(["lost"]):
-        ctx.dropped = [int(r) for r in store.get("lost").decode().split(",")]
+    if not ctx.is_chief and lost:
+        ctx.dropped = [int(r) for r in lost.decode().split(",")]
     if ctx.rank in ctx.dropped:
         print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
               f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
@@ -135,15 +153,14 @@ def _declare(ctx, store, gone: list[int], what: str) -> None:
           f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
 
 
-def _share_stop(ctx, store) -> None:
+def _share_stop(ctx, store, asked: int) -> None:
+    """Put this process's stop in the store, or take one found there (`asked`: its signal, 0 = none)."""
     if ctx.requests & STOP:
-        if not store.check(["stop"]):
+        if not asked:
             store.set("stop", str(ctx.stop_signal or -1))
-    elif store.check(["stop"]):
-        ctx.stop_signal = ctx.stop_signal or int(store.get("stop"))
+    elif asked:
+        ctx.stop_signal = ctx.stop_signal or asked
         ctx.requests |= STOP | CHECKPOINT
-
-
 
 
 def _failed(ctx, store) -> list[int]:
