@@ -2,6 +2,7 @@
 
 Emulated nodes are groups of processes; the rendezvous listens on loopback.
 Rank 0 (the chief) writes to this terminal, the others to RUN_DIR/logs/.
+The processes are forks of one process that imported torch once (fork.py).
 
 Failures: when a process fails, the others get cluster.timeout_s + 5 s to
 notice and exit on their own (their logs then name the lost rank), then are
@@ -21,18 +22,17 @@ which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
 second one kills them at once. Each process holds them (blocked) from its
 start until its handlers are in place, so one sent during start-up is the same
 stop at the first agreed step, not a process killed half-started. Every
-process is started with the kernel's parent-death signal set to SIGKILL:
-whatever kills the launcher, even kill -9, takes its processes with it.
+process has the kernel's parent-death signal set to SIGKILL (toward its
+starter, and the starter toward the launcher): whatever kills the launcher,
+even kill -9, takes its processes with it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from functools import partial
@@ -46,6 +46,7 @@ from ..plan import Plan
 from .. import strategies
 from ..plan import node_name
 from .env import LaunchError, plan_for
+from .fork import Forked, Starter, die_with_parent
 
 
 def free_port(addr: str) -> int:
@@ -65,7 +66,6 @@ def check_port(addr: str, port: int) -> None:
 
 
 FROZEN_S = 5.0  # after the first process left because of a peer, those still running this long are frozen
-PR_SET_PDEATHSIG = 1
 
 
 def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
@@ -79,11 +79,11 @@ def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
 
 
 def _child_setup(held: list[int]) -> None:
-    """In the child, before exec: the kernel kills it when the launcher dies, however it dies; and the
-    stop signals are held (blocked, so they wait pending) until the process has its handlers
-    (dist.catch_stop_signals): one forwarded while it still imports torch or meets the others would
-    kill it, and the launcher would take that for a failure."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    """In the process starter, before exec: the kernel kills it when the launcher dies, however it
+    dies; and the stop signals are held (blocked, so they wait pending) in it and in every process it
+    forks until the process has its handlers (dist.catch_stop_signals): one forwarded while a process
+    still meets the others would kill it, and the launcher would take that for a failure."""
+    die_with_parent()
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
 
 
@@ -115,28 +115,26 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
     job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
-    procs: list[subprocess.Popen] = []
-    for p in plan.procs:
-        env = dict(os.environ, RANK=str(p.rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(p.local_rank),
-                   MASTER_ADDR=addr, MASTER_PORT=str(cfg.cluster.master_port), SCALETRAIN_JOB=job,
-                   SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads),
-                   OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
-        cmd += ["--resume"] if resume else []
-        cmd += [] if progress else ["--quiet"]
-        out = None if p.rank == 0 else open(run_dir / "logs" / f"rank{p.rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      preexec_fn=partial(_child_setup, held)))
-        if out:
-            out.close()
-    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
-                  lambda lost: strategies.survivable(cfg, plan, lost))
+    common = dict(os.environ, WORLD_SIZE=str(plan.world_size), MASTER_ADDR=addr, SCALETRAIN_JOB=job,
+                  MASTER_PORT=str(cfg.cluster.master_port), OMP_NUM_THREADS=str(threads))
+    argv = [str(run_dir)] + (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
+    specs = [{"argv": argv, "log": str(run_dir / "logs" / f"rank{p.rank}.log") if p.rank else None,
+              "env": dict(common, RANK=str(p.rank), LOCAL_RANK=str(p.local_rank),
+                          SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads))}
+             for p in plan.procs]
+    starter = Starter(run_dir, common, partial(_child_setup, held))
+    try:
+        procs = starter.start(specs)
+        return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
+                      lambda lost: strategies.survivable(cfg, plan, lost))
+    finally:
+        starter.close()
 
 
 class _Forward:
     """The launcher's handler of stop signals: pass the first on, kill on the second."""
 
-    def __init__(self, procs: list[subprocess.Popen], names: tuple[str, ...]) -> None:
+    def __init__(self, procs: list[Forked], names: tuple[str, ...]) -> None:
         self.procs, self.signal, self.killed = procs, None, False
         self.sigs = stop_signals_of(names)
 
@@ -160,7 +158,7 @@ class _Forward:
             signal.signal(s, h)
 
 
-def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: tuple[str, ...],
+def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_signals: tuple[str, ...],
            survivable=lambda lost: False) -> int:
     """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1."""
     failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
@@ -236,7 +234,7 @@ def read_ranks(run_dir: Path, name: str) -> list[int]:
         return []
 
 
-def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+def _stop(procs: list[Forked], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(sig)
