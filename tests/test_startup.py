@@ -58,14 +58,34 @@ def disagreeing(rank, port, out):
         out.put(f"{type(e).__name__}: {e}")
 
 
-def run(target):
+def busy_at_start_up(rank, port, out):
+    """A job of two (timeout_s = 2) whose rank 1, once joined, holds the GIL for 9 s: work of C code
+    that never lets its heartbeat thread run (parsing a large data index, say)."""
+    import ctypes
+
+    from scaletrain import dist as sdist
+    from scaletrain.config import Config
+    from scaletrain.launch.env import seat
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = Config().replace(**{"cluster.nodes": 2, "cluster.timeout_s": 2.0})
+    plan = make_plan(cfg.cluster, ps_required=False)
+    ctx = sdist.init(cfg, plan, seat(plan, "127.0.0.1", port))
+    if rank == 1:
+        ctypes.PyDLL(None).sleep(9)  # a PyDLL call keeps the GIL: no Python thread of this process runs
+    sdist.finish(ctx)
+    out.put(f"rank {rank} finished")
+
+
+def run(target, timeout=60):
     ctx, port = mp.get_context("spawn"), free_port()
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(timeout)
         assert p.exitcode is not None, "a process hung"
     return [out.get(timeout=5) for _ in range(out.qsize())]
 
@@ -81,3 +101,10 @@ def test_workers_that_disagree_on_the_device_fail_naming_both():
     assert len(msgs) == 2 and msgs[0] == msgs[1], msgs
     assert msgs[0].startswith("LaunchError: rank 0 (worker 0 on node 1) found no CUDA GPU while rank 1 (worker 1 "
                               "on node 2) found one"), msgs[0]
+
+
+def test_a_rank_busy_past_the_timeout_holding_the_gil_is_not_declared_lost(capfd):
+    """Liveness is not a time limit on work: the beats come from a process beside each job
+    process (liveness.py), which the busy one's GIL does not hold up."""
+    msgs = run(busy_at_start_up)
+    assert sorted(msgs) == ["rank 0 finished", "rank 1 finished"], (msgs, capfd.readouterr().err)

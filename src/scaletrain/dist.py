@@ -34,7 +34,7 @@ from .config import Config
 from .errors import EXIT_STOPPED, LaunchError, Stopped
 from .launch import fabric
 from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
-                       heartbeat, linger, open_keys, write_note)
+                       fork_beat, heartbeat, linger, open_keys, write_note)
 from .plan import Plan, Proc, make_plan, node_name
 
 log = logging.getLogger("scaletrain")
@@ -73,6 +73,7 @@ class Context:
     _finishing: threading.Event = field(default_factory=threading.Event)  # in the final barrier: rank 0 may leave
     _thread: threading.Thread | None = None
     _main: object = None  # the main thread's store client (store_gather, finish)
+    _beat: object = None  # the beat's store client (liveness.fork_beat), kept open
 
     @property
     def rank(self) -> int:
@@ -170,6 +171,7 @@ def init(cfg: Config, plan: Plan, seat) -> Context:
     # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.
     for g in [None] + [g for g in groups if not dist.distributed_c10d._rank_not_in_group(g)]:
         dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, g)
+    ctx._beat = fork_beat(default_store(), me.rank)
     ctx._thread = threading.Thread(target=heartbeat, args=(ctx,), daemon=True, name="heartbeat")
     ctx._thread.start()
     return ctx

@@ -1,13 +1,17 @@
-"""Liveness and requests: the heartbeat thread every process of a distributed job runs.
+"""Liveness and requests: the beat and the heartbeat thread of every process of a distributed job.
 
 Liveness is not a time limit on work. Collectives and receives wait as long
 as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
-a data scan; dist.OPERATION_TIMEOUT). The heartbeat thread of every process
-increments the counter `hb/RANK` in the rendezvous store and reads
-everyone's; a peer whose counter has not moved for STALE_S +
-cluster.timeout_s of the reader's own clock is dead or frozen, and the
-reader exits naming it, so no process waits forever on a lost one. Counters,
-not timestamps: the hosts' clocks are never compared. A process that fails
+a data scan; dist.OPERATION_TIMEOUT). Every process, once joined, forks a
+small process, its beat, which increments the counter `hb/RANK` in the
+rendezvous store every HEARTBEAT_S while the process lives and is not stopped
+(frozen). The beat needs none of the process's CPU time or GIL: a process
+busy in C code that holds its GIL (an import, parsing a large data index) or
+starved by a loaded machine beats all the same. The heartbeat thread of every
+process reads everyone's counter; a peer whose counter has not moved for
+STALE_S + cluster.timeout_s of the reader's own clock is dead or frozen, and
+the reader exits naming it, so no process waits forever on a lost one.
+Counters, not timestamps: the hosts' clocks are never compared. A process that fails
 says so in the store (`failed/RANK`, dist.abort): its peers exit at once,
 naming it, instead of waiting out the timeout.
 
@@ -32,11 +36,15 @@ store (dist.store_gather, dist.finish), where a dropped rank is not waited for.
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import sys
 import time
 
 import torch.distributed as dist
+
+from .launch.fork import die_with_parent
 
 HEARTBEAT_S = 0.5
 STALE_S = 3.0  # a counter still this long marks its rank as missing
@@ -53,7 +61,7 @@ WORD = ["failed", "stop", "lost"]  # the job's word, read with the counters at e
 
 
 def open_keys(store, rank: int) -> None:
-    """Make the keys a heartbeat reads, before the collective that ends the rendezvous: one
+    """Make the keys a heartbeat thread reads, before the collective that ends the rendezvous: one
     multi_get reads them all and would wait for one missing. This rank's counter; from rank 0
     the job's word (no failure announced, no stop asked, no rank lost)."""
     store.add(f"hb/{rank}", 1)
@@ -61,6 +69,44 @@ def open_keys(store, rank: int) -> None:
         store.add("failed", 0)
         store.set("stop", "0")
         store.set("lost", "")
+
+
+def fork_beat(store, rank: int):
+    """Fork this process's beat (see the module doc). Call it from the main thread: the beat dies with
+    the thread that forked it (the kernel's parent-death signal). Returns the beat's connection to
+    the store, to be kept open (this process's copy of the socket stays unused)."""
+    own = store.clone()  # a connection of the beat's own
+    parent = os.getpid()
+    if os.fork() == 0:
+        _beat(own, f"hb/{rank}", parent)
+    return own
+
+
+def _beat(store, key: str, parent: int) -> None:
+    """The beat's life: never returns. The copies it holds of the process's sockets and files close
+    with it, when the process ends."""
+    die_with_parent()
+    # The job's signals are its process's (a stop signal to every process of a Slurm step, Ctrl-C
+    # to the terminal's process group): the beat ends only with it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP})
+    gc.disable()  # the process's objects (CUDA tensors among them) are never freed here
+    while os.getppid() == parent:
+        if _state(parent) not in "tTZX":  # stopped or traced: frozen, no beat
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone or slow: the peers judge that, not the beat
+                pass
+        time.sleep(HEARTBEAT_S)
+    os._exit(0)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter as the kernel gives it (T: stopped, Z: dead), X when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 class _Liveness:
@@ -89,11 +135,9 @@ def heartbeat(ctx) -> None:
     live = _Liveness(ctx)
     while not ctx._stop.wait(HEARTBEAT_S):
         try:
-            store.add(f"hb/{ctx.rank}", 1)
-            # Every counter and the job's word in one request: a beat costs the store two requests
-            # whatever the job's size. Read one by one, N processes would send N^2 a beat, each a
-            # wait for rank 0's store and for this process's GIL: on a few cores with the job
-            # starting, seconds a beat, and healthy processes taken for frozen ones.
+            # Every counter and the job's word in one request, whatever the job's size. Read one by
+            # one, N processes would send N^2 requests a beat to rank 0's store, each a wait for it
+            # and for this process's GIL: seconds a beat on a few loaded cores.
             *counters, failed, stop, lost = store.multi_get(live.keys + WORD)
             _share_stop(ctx, store, int(stop))
             _read_dropped(ctx, lost, live)
