@@ -24,6 +24,7 @@ from ..errors import USER_ERRORS, PlanError, Stopped
 from ..device import facts
 from ..config import load_config
 from ..ps.server import run_shard
+from ..metrics import start_up
 from ..train import train
 from . import env as launch_env
 from .env import LaunchError
@@ -62,6 +63,8 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
         return 1
     ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
+    if progress and ctx.is_chief:
+        print(start_up("process groups ready"), flush=True)
     # Kept to the process's exit: a stop signal can come more than once (under Slurm a worker got the
     # warning signal again in its last barrier, after the checkpoint, and died of it), and none kills it.
     # The workers decide when to stop; a PS shard's request reaches them through its replies.

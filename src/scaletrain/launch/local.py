@@ -42,6 +42,7 @@ from ..device import facts
 from ..config import Config, dump_toml
 from ..dist import EXIT_PEER
 from ..errors import EXIT_STOPPED
+from ..metrics import LAUNCHED, start_up
 from ..plan import Plan
 from .. import strategies
 from ..plan import node_name
@@ -108,6 +109,12 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
 
 
 def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, progress: bool, held: list[int]) -> int:
+    launched = time.time()
+
+    def say(what: str, since: float | None = launched) -> None:
+        if progress:
+            print(start_up(what, since), flush=True)
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
@@ -116,15 +123,17 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
     job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
     common = dict(os.environ, WORLD_SIZE=str(plan.world_size), MASTER_ADDR=addr, SCALETRAIN_JOB=job,
-                  MASTER_PORT=str(cfg.cluster.master_port), OMP_NUM_THREADS=str(threads))
+                  MASTER_PORT=str(cfg.cluster.master_port), OMP_NUM_THREADS=str(threads), **{LAUNCHED: str(launched)})
     argv = [str(run_dir)] + (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     specs = [{"argv": argv, "log": str(run_dir / "logs" / f"rank{p.rank}.log") if p.rank else None,
               "env": dict(common, RANK=str(p.rank), LOCAL_RANK=str(p.local_rank),
                           SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads))}
              for p in plan.procs]
+    say(f"starting {plan.world_size} processes", None)
     starter = Starter(run_dir, common, partial(_child_setup, held))
     try:
         procs = starter.start(specs)
+        say(f"{len(procs)}/{plan.world_size} processes up")
         return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
                       lambda lost: strategies.survivable(cfg, plan, lost))
     finally:
