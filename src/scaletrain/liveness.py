@@ -53,22 +53,38 @@ EXIT_PEER = 3  # exit status of a process that left because a peer failed or wen
 
 
 def default_store():
-    """The job's rendezvous store (this thread's client: clients are not shared across threads)."""
+    """The store torch.distributed's default group uses (torchrun's agent's, under a prefix)."""
     return dist.distributed_c10d._get_default_store()
 
 
 WORD = ["failed", "stop", "lost"]  # the job's word, read with the counters at every beat
 
 
-def open_keys(store, rank: int) -> None:
-    """Make the keys a heartbeat thread reads, before the collective that ends the rendezvous: one
-    multi_get reads them all and would wait for one missing. This rank's counter; from rank 0
-    the job's word (no failure announced, no stop asked, no rank lost)."""
+def join(store, rank: int):
+    """This process is in the job's store: make the keys the heartbeat threads read (one multi_get
+    reads them all and would wait for one missing; they are there once every process joined), and
+    start beating. Returns the beat's connection (fork_beat). This rank's counter; from rank 0 the job's
+    word (no failure announced, no stop asked, no rank lost)."""
     store.add(f"hb/{rank}", 1)
     if rank == 0:
         store.add("failed", 0)
         store.set("stop", "0")
         store.set("lost", "")
+    return fork_beat(store, rank)
+
+
+def silent_since_joining(store, world: int, rank: int) -> list[int]:
+    """After a start-up that failed: the peers that never joined (no counter) or whose beat stands
+    still for STALE_S (stopped, or dead). [0] when the store, which rank 0 serves, does not answer."""
+    keys, before = [f"hb/{r}" for r in range(world)], []
+    try:
+        before = [store.add(k, 0) for k in keys]  # reads a counter, 0 for a rank that never joined
+        time.sleep(STALE_S)
+        now = [store.add(k, 0) for k in keys]
+    except Exception:  # noqa: BLE001 - closed (rank 0 left, naming those), or too slow to answer
+        never = [r for r, n in enumerate(before) if n == 0 and r != rank]
+        return never or ([0] if rank else [])
+    return [r for r in range(world) if r != rank and (now[r] == 0 or now[r] == before[r])]
 
 
 def fork_beat(store, rank: int):
@@ -131,7 +147,7 @@ class _Liveness:
 
 def heartbeat(ctx) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, lost_since, failures = default_store(), None, 0
+    store, lost_since, failures = ctx.store, None, 0
     live = _Liveness(ctx)
     while not ctx._stop.wait(HEARTBEAT_S):
         try:
@@ -237,11 +253,15 @@ def write_note(ctx, ranks: list[int], name: str = "") -> None:
     """Tell the launcher ranks in a file beside this process's log: the peers it left because
     of (its own note; a frozen one is killed at once), or `name` (the chief: `dropped`)."""
     if ctx.note:
-        try:
-            with open(os.path.join(os.path.dirname(ctx.note), name) if name else ctx.note, "w") as fh:
-                fh.write(",".join(map(str, ranks)) + "\n")
-        except OSError:
-            pass
+        note_ranks(os.path.join(os.path.dirname(ctx.note), name) if name else ctx.note, ranks)
+
+
+def note_ranks(path: str, ranks: list[int]) -> None:
+    try:
+        with open(path, "w") as fh:
+            fh.write(",".join(map(str, ranks)) + "\n")
+    except OSError:
+        pass
 
 
 def linger(ctx) -> None:

@@ -57,12 +57,16 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         # Before any process group: NCCL's communicators, the caching allocator and every kernel of
         # this process on its own GPU, never GPU 0 by default.
         torch.cuda.set_device(plan.procs[rank].device)
+    note = str(run_dir / "logs" / f"rank{rank}.lost")
     try:
         ctx = sdist.init(cfg, plan, seat)
     except (sdist.PeerLost, sdist.PortInUse, LaunchError) as e:
         print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
+        if getattr(e, "culprits", None):  # it failed because of them: the launcher names them
+            sdist.note_ranks(note, e.culprits)
+            return sdist.EXIT_PEER
         return 1
-    ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
+    ctx.note = note
     if progress and ctx.is_chief:
         print(start_up("process groups ready"), flush=True)
     # Kept to the process's exit: a stop signal can come more than once (under Slurm a worker got the
