@@ -2,18 +2,21 @@
 
 Liveness is not a time limit on work. Collectives and receives wait as long
 as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
-a data scan; dist.OPERATION_TIMEOUT). Every process, once joined, forks a
-small process, its beat, which increments the counter `hb/RANK` in the
-rendezvous store every HEARTBEAT_S while the process lives and is not stopped
-(frozen). The beat needs none of the process's CPU time or GIL: a process
-busy in C code that holds its GIL (an import, parsing a large data index) or
-starved by a loaded machine beats all the same. The heartbeat thread of every
-process reads everyone's counter; a peer whose counter has not moved for
-STALE_S + cluster.timeout_s of the reader's own clock is dead or frozen, and
-the reader exits naming it, so no process waits forever on a lost one.
-Counters, not timestamps: the hosts' clocks are never compared. A process that fails
-says so in the store (`failed/RANK`, dist.abort): its peers exit at once,
-naming it, instead of waiting out the timeout.
+a data scan; dist.OPERATION_TIMEOUT). Every process, once it reaches the
+rendezvous store, forks a small process, its beat, which increments the
+counter `hb/RANK` there every HEARTBEAT_S while the process lives and is not
+stopped (frozen). The beat needs none of the process's CPU time or GIL: a
+process busy in C code that holds its GIL (an import, parsing a large data
+index) or starved on a loaded machine beats all the same. Once the process
+groups are made, the heartbeat thread of every process reads all counters; a
+peer whose counter has not moved for STALE_S + cluster.timeout_s of the
+reader's own clock is dead or frozen, and the reader exits naming it, so no
+process waits forever on a lost one. Before, the start-up's own timeout
+bounds the wait, and a start-up that fails names the processes that never
+joined or stopped beating (dist.init). Counters, not timestamps: the hosts'
+clocks are never compared. A process that fails says so in the store
+(`failed/RANK`, dist.abort): its peers exit at once, naming it, instead of
+waiting out the timeout.
 
 Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
 `Context.requests` of the process that got it; the heartbeat thread puts a

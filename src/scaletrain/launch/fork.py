@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -148,6 +149,9 @@ def serve(to: int, back: int) -> None:
         except ImportError:  # an optional library this installation lacks: no job of it imports it
             pass
 
+    # Python 3.12 warns of any fork in a process with threads; the starter's are the BLAS pools,
+    # which stop across a fork (the module doc).
+    warnings.filterwarnings("ignore", message=".*fork", category=DeprecationWarning)
     me, started = os.getpid(), 0
     with os.fdopen(to, "r") as lines:
         for line in lines:
