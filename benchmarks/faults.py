@@ -19,7 +19,24 @@ Scenarios of asynchronous jobs (3 nodes, 1 PS) lose a worker node and go on:
 detect_s is then fault -> the chief's declaration, recover_s fault -> the
 first metrics row logged after it.
 
-    python benchmarks/faults.py [--only NAME ...]
+Rows of the scenarios added since carry `right` (the outcome is the one the
+job promises) and, where the job names a process, `named` (the rank its last
+word names) beside the rank that should be:
+  sigstop-allreduce-3-nodes[-restart]  SIGSTOP of worker 1 (node 2) of 3; with
+      min_nodes = 2 and max_restarts = 1 the restart leaves node 2 out
+  sigstop-ps-sync                      SIGSTOP of the PS of a sync 2x1 job
+  rerun-finished                       a finished run's command again: exit 0,
+      summary.json and config.toml byte-equal
+  sigterm-start-up                     SIGTERM to the launcher 4 s after launch:
+      exit 75, said as a stop (`phase`: the start-up line it came after)
+  load-allreduce-8x2, -16x2            16 and 32 processes, emulated compute
+      0.05 s, the default cluster.timeout_s: start_s (launch -> the chief's
+      "data ready, training"), first_row_s (-> first metrics row), total_s
+
+    python benchmarks/faults.py [--only NAME ...] [--save]
+
+--save writes the rows, the command, the commit and the machine's load to
+benchmarks/results/faults-<UTC time>-<short commit>.json.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,28 +62,33 @@ STRATEGY = {"allreduce": ["strategy.name=allreduce"], "sync": ["strategy.name=sy
             "mixed-async": ["strategy.name=mixed-async", "cluster.num_ps=1"]}
 
 
-def command(run_dir: Path, sets: list[str], resume: bool = False) -> list[str]:
+def command(run_dir: Path, sets: list[str], resume: bool = False, quiet: bool = True) -> list[str]:
     cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--recipe", "recipes/digits.toml",
-           "--run-dir", str(run_dir), "--quiet"] + (["--resume"] if resume else [])
+           "--run-dir", str(run_dir)] + (["--quiet"] if quiet else []) + (["--resume"] if resume else [])
     for s in BASE + sets:
         cmd += ["--set", s]
     return cmd
 
 
 class Job:
-    """A job in the background, its stderr lines timestamped as they come."""
+    """A job in the background, its stderr lines (and with quiet=False its stdout's progress lines,
+    in `out`) timestamped as they come."""
 
-    def __init__(self, run_dir: Path, sets: list[str], resume: bool = False) -> None:
-        self.run_dir, self.lines = run_dir, []
+    def __init__(self, run_dir: Path, sets: list[str], resume: bool = False, quiet: bool = True) -> None:
+        self.run_dir, self.lines, self.out, self.t0 = run_dir, [], [], time.time()
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.p = subprocess.Popen(command(run_dir, sets, resume), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        self.p = subprocess.Popen(command(run_dir, sets, resume, quiet), cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL if quiet else subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader = threading.Thread(target=self._read, args=(self.p.stderr, self.lines), daemon=True)
         self.reader.start()
+        if not quiet:
+            threading.Thread(target=self._read, args=(self.p.stdout, self.out), daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.p.stderr:
-            self.lines.append((time.time(), line.rstrip()))
+    @staticmethod
+    def _read(stream, into: list) -> None:
+        for line in stream:
+            into.append((time.time(), line.rstrip()))
 
     def pids(self) -> dict[int, int]:
         logs = self.run_dir / "logs"
@@ -244,6 +267,90 @@ def last_images(run_dir: Path) -> int:
     return rows[-1]["images"] if rows else 0
 
 
+RANK = re.compile(r"rank (\d+) \(")
+
+
+def named(lines: list) -> int | None:
+    """The rank the job's last word on a failure names: the launcher's restart line or its final one."""
+    words = [line for _, line in lines if "restart 1 of" in line or "the job failed:" in line]
+    found = RANK.search(words[0]) if words else None
+    return int(found.group(1)) if found else None
+
+
+def frozen_named(tmp: Path, name: str, sets: list[str], rank: int, world: int, restart: bool = False) -> dict:
+    """SIGSTOP of one process: the job names it (not a process that left because of it, nor one the
+    launcher killed); with a restart allowed, the restart leaves the frozen process's node out."""
+    run_dir = tmp / name
+    steps = ["cluster.min_nodes=2", "cluster.max_restarts=1"] if restart else ["train.steps=100000"]
+    job = Job(run_dir, sets + steps)
+    pids = job.training(world, after_step=25 if restart else 10)  # with a restart: past the checkpoint of step 20
+    node = json.loads((run_dir / "logs" / f"rank{rank}.json").read_text())["node"] + 1
+    t0 = time.time()
+    os.kill(pids[rank], signal.SIGSTOP)
+    rc = job.wait()
+    row = dict(fault=f"SIGSTOP rank {rank}" + (", min_nodes=2, max_restarts=1" if restart else ""),
+               strategy=sets[0].split("=")[1], detect_s=job.first(f"rank {rank}", t0), recover_s=time.time() - t0,
+               exit=rc, rank=rank, named=named(job.lines), orphans=orphans(pids))
+    right = row["named"] == rank and row["orphans"] == 0
+    if restart:
+        summary = json.loads((run_dir / "summary.json").read_text()) if rc == 0 else {}
+        row.update(node_left_out=any(f"restart 1 of 1 without node {node} " in line for _, line in job.lines),
+                   nodes_after=summary.get("nodes"))
+        right = right and rc == 0 and row["node_left_out"] and row["nodes_after"] == 2
+    else:
+        right = right and rc == 1
+    return dict(row, right=right)
+
+
+def rerun_finished(tmp: Path) -> dict:
+    """A finished run's command run again: nothing is overwritten, exit 0."""
+    run_dir, sets = tmp / "rerun", ["strategy.name=allreduce", "train.steps=10"]
+    if Job(run_dir, sets).wait() != 0:
+        raise RuntimeError("the first run failed")
+    before = {f: (run_dir / f).read_bytes() for f in ("summary.json", "config.toml")}
+    again = Job(run_dir, sets)
+    rc = again.wait()
+    equal = all((run_dir / f).read_bytes() == b for f, b in before.items())
+    return dict(fault="the finished run's command again", strategy="allreduce", exit=rc, files_equal=equal,
+                said=again.lines[-1][1] if again.lines else "", right=rc == 0 and equal)
+
+
+def sigterm_start_up(tmp: Path, after_s: float = 4.0) -> dict:
+    """SIGTERM to the launcher a few seconds after launch, while the job starts: a stop (exit 75)."""
+    run_dir = tmp / "sigterm-start-up"
+    job = Job(run_dir, ["strategy.name=allreduce"], quiet=False)
+    time.sleep(max(0.0, job.t0 + after_s - time.time()))
+    t0 = time.time()
+    phase = ([line for _, line in job.out if line.startswith("start-up: ")] or ["none yet"])[-1]
+    trained = bool(job.steps_logged())
+    job.p.send_signal(signal.SIGTERM)
+    rc = job.wait()
+    last = job.lines[-1][1] if job.lines else ""
+    said_stop = "stopped" in last and not any("failed" in line for _, line in job.lines)
+    return dict(fault=f"SIGTERM to the launcher {after_s:.0f} s after launch", strategy="allreduce",
+                phase=phase, trained_before=trained, detect_s=job.first("SIGTERM", t0), recover_s=time.time() - t0,
+                exit=rc, said=last, right=rc == 75 and said_stop)
+
+
+def load(tmp: Path, nodes: int) -> dict:
+    """nodes x 2 processes of an allreduce job with emulated compute at the default cluster.timeout_s."""
+    run_dir = tmp / f"load-{nodes}x2"
+    sets = ["strategy.name=allreduce", f"cluster.nodes={nodes}", "cluster.gpus_per_node=2", "cluster.timeout_s=60",
+            "train.emulate_compute_s=0.05", "train.steps=30", "train.checkpoint_every=0"]
+    job = Job(run_dir, sets, quiet=False)
+    first = None
+    while job.p.poll() is None and first is None:
+        first = time.time() - job.t0 if job.steps_logged() else None
+        time.sleep(0.05)
+    rc = job.wait()
+    ready = next((line for _, line in job.out if line.startswith("start-up: data ready")), "")
+    start = re.search(r"\(([\d.]+) s\)", ready)
+    return dict(fault=f"load: {2 * nodes} processes starting on this machine", strategy="allreduce",
+                processes=2 * nodes, exit=rc, start_s=float(start.group(1)) if start else None, first_row_s=first,
+                total_s=time.time() - job.t0, failure=next((line for _, line in job.lines if "error" in line), None),
+                right=rc == 0)
+
+
 _references: dict[str, Path] = {}
 
 
@@ -269,18 +376,46 @@ SCENARIOS = {
     "kill-worker-backup": lambda t: lost_node(t, "backup", signal.SIGKILL),
     "sigstop-worker-async": lambda t: lost_node(t, "async", signal.SIGSTOP),
     "kill-restart-smaller-allreduce": smaller_restart,
+    "sigstop-allreduce-3-nodes": lambda t: frozen_named(t, "sigstop-3", ["strategy.name=allreduce", "cluster.nodes=3"],
+                                                        1, 3),
+    "sigstop-allreduce-3-nodes-restart": lambda t: frozen_named(t, "sigstop-3-restart",
+                                                                ["strategy.name=allreduce", "cluster.nodes=3"], 1, 3,
+                                                                restart=True),
+    "sigstop-ps-sync": lambda t: frozen_named(t, "sigstop-ps", ["strategy.name=sync", "cluster.num_ps=1"], 2, 3),
+    "rerun-finished": rerun_finished,
+    "sigterm-start-up": sigterm_start_up,
+    "load-allreduce-8x2": lambda t: load(t, 8),
+    "load-allreduce-16x2": lambda t: load(t, 16),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="scenarios to run (default: all)")
+    ap.add_argument("--save", action="store_true", help="also write benchmarks/results/faults-TIME-COMMIT.json")
     a = ap.parse_args()
+    rows, load_before = [], os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.only or SCENARIOS:
-            row = SCENARIOS[name](Path(tmp))
-            print(json.dumps({"scenario": name, **{k: round(v, 2) if isinstance(v, float) else v
-                                                   for k, v in row.items()}}), flush=True)
+            row = {"scenario": name, **{k: round(v, 2) if isinstance(v, float) else v
+                                        for k, v in SCENARIOS[name](Path(tmp)).items()}, "load": os.getloadavg()[0]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.save:
+        save(rows, load_before)
+
+
+def save(rows: list[dict], load_before: tuple) -> None:
+    from scaletrain.metrics import git_commit, run_info
+    import torch
+
+    commit, stamp = git_commit(), time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
+    out = ROOT / "benchmarks" / "results" / f"faults-{stamp}-{commit[:7]}.json"
+    out.write_text(json.dumps({
+        "benchmark": "faults", "command": "python " + " ".join(sys.argv), **run_info(torch.device("cpu")),
+        "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
+        "all_right": all(r.get("right", True) for r in rows), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

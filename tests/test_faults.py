@@ -215,6 +215,34 @@ def test_a_frozen_worker_is_named_and_the_job_ends_within_the_bound(tmp_path, en
     no_orphans(procs)
 
 
+def test_a_frozen_ps_is_named_not_the_workers_that_left_because_of_it(tmp_path, env):
+    """The workers leave naming the PS; the chief stays a moment (it serves the store) and is killed
+    by the launcher meanwhile: that kill is the launcher's doing, not the chief's failure."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=sync", "cluster.num_ps=1", "train.steps=100000")
+    procs = wait_training(p, run_dir, 3)
+    os.kill(procs[2], signal.SIGSTOP)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    assert "rank 2 (ps 0 on node 2) stopped answering" in err.splitlines()[-1], err
+    no_orphans(procs)
+
+
+def test_a_frozen_worker_of_three_nodes_is_named_and_its_node_left_out(tmp_path, env):
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "cluster.nodes=3", "cluster.min_nodes=2",
+              "cluster.max_restarts=1")
+    procs = wait_training(p, run_dir, 3, rows=6)  # past the first checkpoint (step 20)
+    os.kill(procs[1], signal.SIGSTOP)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    line = next(x for x in err.splitlines() if "restart 1 of 1" in x)
+    assert line.startswith("scaletrain: rank 1 (worker 1 on node 2) stopped answering (frozen or hung) and was "
+                           "killed; restart 1 of 1 without node 2 "), line
+    assert json.loads((run_dir / "summary.json").read_text())["nodes"] == 2
+    no_orphans(procs)
+
+
 def test_a_worker_failing_at_start_ends_a_ps_job_within_seconds(tmp_path, env):
     run_dir = tmp_path / "run"
     t0 = time.time()
@@ -240,8 +268,10 @@ def test_timed_checkpoints_are_taken_at_steps_every_process_agrees_on(tmp_path, 
     steps = sorted(int(f.stem[5:]) for f in (run_dir / "checkpoints").glob("ckpt-*.pt"))
     wall = [json.loads(line)["wall"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"train"' in line][-1]
-    # One a second of the job (the first after 1 s), the final one at step 200.
-    assert steps[-1] == 200 and len(steps) - 1 >= int(wall) - 1 >= 1, (steps, wall)
+    # About one a second of the job, the final one at step 200. Each comes at the first agreed step
+    # 1 s after the previous one was saved: saving and reaching that step stretch the gaps on a loaded
+    # machine (to 1.3 s here), so at least one every 2 s.
+    assert steps[-1] == 200 and len(steps) - 1 >= int(wall / 2) >= 1, (steps, wall)
 
 
 def role_pid(run_dir, role, index):

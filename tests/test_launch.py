@@ -206,8 +206,9 @@ def test_local_job_listens_on_loopback_only_and_keeps_strangers_out(tmp_path):
             capture_output=True, timeout=120,
             env=dict(os.environ, RANK="1", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                      SCALETRAIN_JOB="another-job"))
-        assert stranger.returncode == 1
-        assert f"no rendezvous for job another-job at 127.0.0.1:{port}" in stranger.stderr, stranger.stderr
+        assert stranger.returncode == 3  # it left because of peers: of its job, none came
+        assert f"no rendezvous for job another-job at 127.0.0.1:{port}: rank 0 (worker 0 on node 1), rank 2 (" \
+            in stranger.stderr, stranger.stderr
     finally:
         out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
@@ -266,3 +267,19 @@ def test_local_launcher_gives_a_ps_its_ps_threads(tmp_path, env):
     assert r.returncode == 0, r.stderr
     ps = json.loads((run_dir / "logs" / "rank1.json").read_text())
     assert (ps["role"], ps["threads"]) == ("ps", 3)
+    assert "start-up" not in r.stdout  # --quiet
+
+
+def test_a_local_job_says_how_far_its_start_up_has_come(tmp_path, env):
+    """A few lines from the launcher and the chief, before the first step: none from the other processes."""
+    r = subprocess.run(scaletrain_cmd("train", "--recipe", DIGITS, "--run-dir", str(tmp_path / "r"),
+                                      *sets("cluster.nodes=2", "cluster.gpus_per_node=2", "train.steps=2",
+                                            "data.workers=0", "train.eval_every=0")),
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.startswith("start-up: ")]
+    assert [re.sub(r" \(\d+\.\d s\)$", "", x) for x in lines] == [
+        "start-up: starting 4 processes", "start-up: 4/4 processes up", "start-up: process groups ready",
+        "start-up: data ready, training"], r.stdout
+    assert all(x.endswith(" s)") for x in lines[1:]), lines  # seconds since the launch
+    assert r.stdout.index("start-up: data ready") < r.stdout.index("step 2/2"), r.stdout

@@ -4,6 +4,7 @@ workers agree on the device before any NCCL group is made."""
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import socket
 
 import pytest
@@ -58,15 +59,60 @@ def disagreeing(rank, port, out):
         out.put(f"{type(e).__name__}: {e}")
 
 
-def run(target):
+def busy_at_start_up(rank, port, out):
+    """A job of two (timeout_s = 2) whose rank 1, once joined, holds the GIL for 9 s: work of C code
+    that never lets its heartbeat thread run (parsing a large data index, say)."""
+    import ctypes
+
+    from scaletrain import dist as sdist
+
+    ctx = join_job(rank, port)
+    if rank == 1:
+        ctypes.PyDLL(None).sleep(9)  # a PyDLL call keeps the GIL: no Python thread of this process runs
+    sdist.finish(ctx)
+    out.put(f"rank {rank} finished")
+
+
+def join_job(rank, port):
+    """sdist.init of a job of two (timeout_s = 2), as the local launcher's processes call it."""
+    from scaletrain import dist as sdist
+    from scaletrain.config import Config
+    from scaletrain.launch.env import seat
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = Config().replace(**{"cluster.nodes": 2, "cluster.timeout_s": 2.0})
+    plan = make_plan(cfg.cluster, ps_required=False)
+    return sdist.init(cfg, plan, seat(plan, "127.0.0.1", port))
+
+
+def stopped_before_joining(rank, port, out):
+    """Rank 1 is stopped (SIGSTOP) before it reaches the rendezvous."""
+    from scaletrain import dist as sdist
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        join_job(rank, port)
+        out.put("joined")
+    except sdist.PeerLost as e:
+        out.put((str(e), e.culprits))
+
+
+def run(target, timeout=60, stopped=()):
+    """Run `target` in two processes; those in `stopped` stopped themselves: killed once the others ended."""
     ctx, port = mp.get_context("spawn"), free_port()
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode is not None, "a process hung"
+    for r, p in enumerate(procs):
+        if r not in stopped:
+            p.join(timeout)
+            assert p.exitcode is not None, "a process hung"
+    for r in stopped:
+        procs[r].kill()
+        procs[r].join()
     return [out.get(timeout=5) for _ in range(out.qsize())]
 
 
@@ -81,3 +127,18 @@ def test_workers_that_disagree_on_the_device_fail_naming_both():
     assert len(msgs) == 2 and msgs[0] == msgs[1], msgs
     assert msgs[0].startswith("LaunchError: rank 0 (worker 0 on node 1) found no CUDA GPU while rank 1 (worker 1 "
                               "on node 2) found one"), msgs[0]
+
+
+def test_a_rank_busy_past_the_timeout_holding_the_gil_is_not_declared_lost(capfd):
+    """Liveness is not a time limit on work: the beats come from a process beside each job
+    process (liveness.py), which the busy one's GIL does not hold up."""
+    msgs = run(busy_at_start_up)
+    assert sorted(msgs) == ["rank 0 finished", "rank 1 finished"], (msgs, capfd.readouterr().err)
+
+
+def test_a_process_stopped_before_the_rendezvous_is_named_at_the_start_up_timeout():
+    (msg,) = run(stopped_before_joining, stopped=(1,))
+    what, culprits = msg
+    assert culprits == [1], msg
+    assert what.startswith("no rendezvous for job local at 127.0.0.1:") and \
+        what.endswith(": rank 1 (worker 1 on node 2) did not join within 2 s (frozen, dead, or never started)"), what

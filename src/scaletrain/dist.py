@@ -34,7 +34,7 @@ from .config import Config
 from .errors import EXIT_STOPPED, LaunchError, Stopped
 from .launch import fabric
 from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
-                       heartbeat, linger, write_note)
+                       heartbeat, join, linger, note_ranks, silent_since_joining, write_note)
 from .plan import Plan, Proc, make_plan, node_name
 
 log = logging.getLogger("scaletrain")
@@ -42,7 +42,11 @@ OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receiv
 
 
 class PeerLost(RuntimeError):
-    """A peer died or stopped answering; str() names it."""
+    """A peer died or stopped answering; str() names it, `culprits` its rank where known."""
+
+    def __init__(self, what: str, culprits: list[int] = ()) -> None:
+        super().__init__(what)
+        self.culprits = list(culprits)
 
 
 class PortInUse(RuntimeError):
@@ -72,7 +76,9 @@ class Context:
     _stop: threading.Event = field(default_factory=threading.Event)
     _finishing: threading.Event = field(default_factory=threading.Event)  # in the final barrier: rank 0 may leave
     _thread: threading.Thread | None = None
+    store: object = None  # the job's store: the heartbeat thread's client (clients are not shared across threads)
     _main: object = None  # the main thread's store client (store_gather, finish)
+    _beat: object = None  # the beat's store client (liveness.fork_beat), kept open
 
     @property
     def rank(self) -> int:
@@ -119,29 +125,58 @@ def single() -> Context:
 
 
 def init(cfg: Config, plan: Plan, seat) -> Context:
-    """Join the job's world and make the subgroups; start heartbeat and watchdog."""
+    """Join the job's world and make the subgroups; start the beat and the heartbeat thread. All of it
+    within cluster.timeout_s, the start-up timeout (every process starts at once): a process that
+    does not join in time, or stops meanwhile, fails the start-up, named (PeerLost.culprits)."""
     c = cfg.cluster
-    timeout = datetime.timedelta(seconds=c.timeout_s)  # the rendezvous: every process starts at once
+    timeout = datetime.timedelta(seconds=c.timeout_s)
     loopback = seat.launcher == "local" and _is_loopback(seat.addr)
     os.environ.update(fabric.socket_env(c.ifname, loopback))  # gloo's and NCCL's sockets (launch/fabric.py)
+    store, met = None, False
     try:
         if seat.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
             dist.init_process_group("gloo", init_method="env://", rank=seat.rank, world_size=seat.world,
                                     timeout=timeout)
+            store, met = default_store(), True
+            beat = join(store, seat.rank)
         else:
             # Keys under the job's id: a process of another job that reaches this store never meets ours.
             store = dist.PrefixStore(f"scaletrain/{seat.job}", _rendezvous(seat, timeout, loopback))
+            beat = join(store, seat.rank)  # beating from here, a process stopped in the rendezvous is told apart
             dist.init_process_group("gloo", store=store, rank=seat.rank, world_size=seat.world, timeout=timeout)
-    except PortInUse:
+            met = True
+        return _groups(cfg, plan, seat, timeout, store, beat)
+    except (PortInUse, LaunchError):
         raise
-    except (RuntimeError, TimeoutError) as e:
-        raise _no_rendezvous(seat, timeout, e) from None
+    except (RuntimeError, TimeoutError) as e:  # PeerLost too: check_groups's
+        raise _no_start(seat, plan, store, met, timeout, e) from None
+
+
+def _no_start(seat, plan: Plan, store, met: bool, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
+    """The error of a start-up that failed, naming the processes that did not join, or stopped beating,
+    where there are such (a store that does not answer is rank 0's, which serves it)."""
+    if store is None:
+        culprits = [0] if seat.launcher != "torchrun" and seat.rank else []
+    else:
+        culprits = silent_since_joining(store, seat.world, seat.rank)
+    if not culprits:
+        return err if isinstance(err, PeerLost) else _no_rendezvous(seat, timeout, err)
+    who = ", ".join(plan.describe(r) for r in culprits)
+    if met:
+        return PeerLost(f"{who} stopped during the job's start-up (frozen or dead)", culprits)
+    return PeerLost(f"no rendezvous for job {seat.job} at {seat.addr}:{seat.port}: {who} did not join within "
+                    f"{timeout.total_seconds():.0f} s (frozen, dead, or never started)", culprits)
+
+
+def _groups(cfg: Config, plan: Plan, seat, timeout: datetime.timedelta, store, beat) -> Context:
+    """The subgroups, checked; the heartbeat thread."""
     from . import strategies
 
+    c = cfg.cluster
     ctx = Context(plan, plan.procs[seat.rank], c.timeout_s, tolerant=strategies.tolerant(cfg),
                   survivable=lambda lost: strategies.survivable(cfg, plan, lost),
                   lost_with=lambda rank: strategies.lost_with(plan, rank))
-    me = ctx.me
+    me, ctx.store, ctx._beat = ctx.me, store, beat
     on_gpu = agree_on_devices(plan, me.rank)
     local_backend = "nccl" if on_gpu and c.backend != "gloo" else "gloo"
     # NCCL communicators are built now, on this process's GPU (set_device came first), not at their first
@@ -298,7 +333,7 @@ def finish(ctx: Context) -> None:
     ctx._stop.set()
     ctx._thread.join()  # the store client is not shared across threads
     try:
-        default_store().set(f"done/{ctx.rank}", "1")
+        ctx.store.set(f"done/{ctx.rank}", "1")
     except Exception:  # noqa: BLE001 - rank 0, which serves the store, may be gone: all are past the barrier
         pass
     dist.destroy_process_group()
@@ -318,7 +353,7 @@ def store_gather(ctx: Context, key: str, data: bytes) -> dict[int, bytes]:
 def _main_store(ctx: Context):
     """The main thread's own client of the store (the heartbeat thread has the default one)."""
     if ctx._main is None:
-        ctx._main = default_store().clone()
+        ctx._main = ctx.store.clone()
     return ctx._main
 
 
@@ -340,7 +375,7 @@ def abort(ctx: Context, culprits: list[int] | None = None) -> None:
     ctx._stop.set()
     if ctx._thread is not None:
         ctx._thread.join()  # the store client is the heartbeat's until it ends
-        announce(default_store(), ctx.rank, culprits or [ctx.rank])
+        announce(ctx.store, ctx.rank, culprits or [ctx.rank])
         linger(ctx)
     if dist.is_initialized():
         try:

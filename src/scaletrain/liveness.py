@@ -1,15 +1,22 @@
-"""Liveness and requests: the heartbeat thread every process of a distributed job runs.
+"""Liveness and requests: the beat and the heartbeat thread of every process of a distributed job.
 
 Liveness is not a time limit on work. Collectives and receives wait as long
 as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
-a data scan; dist.OPERATION_TIMEOUT). The heartbeat thread of every process
-increments the counter `hb/RANK` in the rendezvous store and reads
-everyone's; a peer whose counter has not moved for STALE_S +
-cluster.timeout_s of the reader's own clock is dead or frozen, and the
-reader exits naming it, so no process waits forever on a lost one. Counters,
-not timestamps: the hosts' clocks are never compared. A process that fails
-says so in the store (`failed/RANK`, dist.abort): its peers exit at once,
-naming it, instead of waiting out the timeout.
+a data scan; dist.OPERATION_TIMEOUT). Every process, once it reaches the
+rendezvous store, forks a small process, its beat, which increments the
+counter `hb/RANK` there every HEARTBEAT_S while the process lives and is not
+stopped (frozen). The beat needs none of the process's CPU time or GIL: a
+process busy in C code that holds its GIL (an import, parsing a large data
+index) or starved on a loaded machine beats all the same. Once the process
+groups are made, the heartbeat thread of every process reads all counters; a
+peer whose counter has not moved for STALE_S + cluster.timeout_s of the
+reader's own clock is dead or frozen, and the reader exits naming it, so no
+process waits forever on a lost one. Before, the start-up's own timeout
+bounds the wait, and a start-up that fails names the processes that never
+joined or stopped beating (dist.init). Counters, not timestamps: the hosts'
+clocks are never compared. A process that fails says so in the store
+(`failed/RANK`, dist.abort): its peers exit at once, naming it, instead of
+waiting out the timeout.
 
 Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
 `Context.requests` of the process that got it; the heartbeat thread puts a
@@ -32,7 +39,7 @@ store (dist.store_gather, dist.finish), where a dropped rank is not waited for.
 
 from __future__ import annotations
 
-import ctypes
+import gc
 import os
 import signal
 import sys
@@ -40,27 +47,85 @@ import time
 
 import torch.distributed as dist
 
+from .launch.fork import die_with_parent
+
 HEARTBEAT_S = 0.5
 STALE_S = 3.0  # a counter still this long marks its rank as missing
 CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
 EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
-PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-def die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process (SIGKILL) when its parent dies, however it dies, kill -9
-    included. A fork does not inherit it, so each generation sets its own: the launcher's
-    processes, and their loader processes. parent: the pid that started this process; if it died
-    before the signal was set (this process was adopted meanwhile), exit now. The signal comes when
-    the parent's thread that started this process ends: the main thread, for every caller here."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def default_store():
-    """The job's rendezvous store (this thread's client: clients are not shared across threads)."""
+    """The store torch.distributed's default group uses (torchrun's agent's, under a prefix)."""
     return dist.distributed_c10d._get_default_store()
+
+
+WORD = ["failed", "stop", "lost"]  # the job's word, read with the counters at every beat
+
+
+def join(store, rank: int):
+    """This process is in the job's store: make the keys the heartbeat threads read (one multi_get
+    reads them all and would wait for one missing; they are there once every process joined), and
+    start beating. Returns the beat's connection (fork_beat). This rank's counter; from rank 0 the job's
+    word (no failure announced, no stop asked, no rank lost)."""
+    store.add(f"hb/{rank}", 1)
+    if rank == 0:
+        store.add("failed", 0)
+        store.set("stop", "0")
+        store.set("lost", "")
+    return fork_beat(store, rank)
+
+
+def silent_since_joining(store, world: int, rank: int) -> list[int]:
+    """After a start-up that failed: the peers that never joined (no counter) or whose beat stands
+    still for STALE_S (stopped, or dead). [0] when the store, which rank 0 serves, does not answer."""
+    keys, before = [f"hb/{r}" for r in range(world)], []
+    try:
+        before = [store.add(k, 0) for k in keys]  # reads a counter, 0 for a rank that never joined
+        time.sleep(STALE_S)
+        now = [store.add(k, 0) for k in keys]
+    except Exception:  # noqa: BLE001 - closed (rank 0 left, naming those), or too slow to answer
+        never = [r for r, n in enumerate(before) if n == 0 and r != rank]
+        return never or ([0] if rank else [])
+    return [r for r in range(world) if r != rank and (now[r] == 0 or now[r] == before[r])]
+
+
+def fork_beat(store, rank: int):
+    """Fork this process's beat (see the module doc). Call it from the main thread: the beat dies with
+    the thread that forked it (the kernel's parent-death signal). Returns the beat's connection to
+    the store, to be kept open (this process's copy of the socket stays unused)."""
+    own = store.clone()  # a connection of the beat's own
+    parent = os.getpid()
+    if os.fork() == 0:
+        _beat(own, f"hb/{rank}", parent)
+    return own
+
+
+def _beat(store, key: str, parent: int) -> None:
+    """The beat's life: never returns. The copies it holds of the process's sockets and files close
+    with it, when the process ends."""
+    die_with_parent(parent)
+    # The job's signals are its process's (a stop signal to every process of a Slurm step, Ctrl-C
+    # to the terminal's process group): the beat ends only with it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP})
+    gc.disable()  # the process's objects (CUDA tensors among them) are never freed here
+    while os.getppid() == parent:
+        if _state(parent) not in "tTZX":  # stopped or traced: frozen, no beat
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone or slow: the peers judge that, not the beat
+                pass
+        time.sleep(HEARTBEAT_S)
+    os._exit(0)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter as the kernel gives it (T: stopped, Z: dead), X when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 class _Liveness:
@@ -71,14 +136,13 @@ class _Liveness:
         now = time.monotonic()
         self.seen = {r: (None, now) for r in range(ctx.plan.world_size) if r != ctx.rank}
 
-    def missing(self, store) -> list[int]:
+    def missing(self, store, counters: list[bytes]) -> list[int]:
         """Peers whose counter stood still for STALE_S and which did not finish cleanly."""
         now, out = time.monotonic(), []
         for r in self.seen:
-            value = store.add(self.keys[r], 0)  # reads the counter without waiting for the key
             last, since = self.seen[r]
-            if value != last:
-                self.seen[r] = (value, now)
+            if counters[r] != last:
+                self.seen[r] = (counters[r], now)
             elif now - since > STALE_S and not store.check([f"done/{r}"]):
                 out.append(r)
         return out
@@ -86,20 +150,23 @@ class _Liveness:
 
 def heartbeat(ctx) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, lost_since, failures = default_store(), None, 0
+    store, lost_since, failures = ctx.store, None, 0
     live = _Liveness(ctx)
     while not ctx._stop.wait(HEARTBEAT_S):
         try:
-            store.add(f"hb/{ctx.rank}", 1)
-            _share_stop(ctx, store)
-            _read_dropped(ctx, store, live)
-            announced = store.add("failed", 0)  # reads the counter
+            # Every counter and the job's word in one request, whatever the job's size. Read one by
+            # one, N processes would send N^2 requests a beat to rank 0's store, each a wait for it
+            # and for this process's GIL: seconds a beat on a few loaded cores.
+            *counters, failed, stop, lost = store.multi_get(live.keys + WORD)
+            _share_stop(ctx, store, int(stop))
+            _read_dropped(ctx, lost, live)
+            announced = int(failed)
             if announced > failures:  # a peer announced its failure: no need to wait it out
                 failures = announced
                 failed = _failed(ctx, store)
                 if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
                     _leave(ctx, store, failed, "failed")
-            gone = [r for r in live.missing(store) if r not in ctx.dropped]
+            gone = [r for r in live.missing(store, counters) if r not in ctx.dropped]
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             # Rank 0 may have left because of a peer already seen missing: name that one first.
             gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
@@ -123,10 +190,10 @@ def heartbeat(ctx) -> None:
             _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
 
 
-def _read_dropped(ctx, store, live: _Liveness) -> None:
+def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:
     """The ranks the chief declared lost: no longer waited for; this process exits if among them."""
-    if not ctx.is_chief and store.check(["lost"]):
-        ctx.dropped = [int(r) for r in store.get("lost").decode().split(",")]
+    if not ctx.is_chief and lost:
+        ctx.dropped = [int(r) for r in lost.decode().split(",")]
     if ctx.rank in ctx.dropped:
         print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
               f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
@@ -149,15 +216,14 @@ def _declare(ctx, store, gone: list[int], what: str) -> None:
           f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
 
 
-def _share_stop(ctx, store) -> None:
+def _share_stop(ctx, store, asked: int) -> None:
+    """Put this process's stop in the store, or take one found there (`asked`: its signal, 0 = none)."""
     if ctx.requests & STOP:
-        if not store.check(["stop"]):
+        if not asked:
             store.set("stop", str(ctx.stop_signal or -1))
-    elif store.check(["stop"]):
-        ctx.stop_signal = ctx.stop_signal or int(store.get("stop"))
+    elif asked:
+        ctx.stop_signal = ctx.stop_signal or asked
         ctx.requests |= STOP | CHECKPOINT
-
-
 
 
 def _failed(ctx, store) -> list[int]:
@@ -190,11 +256,15 @@ def write_note(ctx, ranks: list[int], name: str = "") -> None:
     """Tell the launcher ranks in a file beside this process's log: the peers it left because
     of (its own note; a frozen one is killed at once), or `name` (the chief: `dropped`)."""
     if ctx.note:
-        try:
-            with open(os.path.join(os.path.dirname(ctx.note), name) if name else ctx.note, "w") as fh:
-                fh.write(",".join(map(str, ranks)) + "\n")
-        except OSError:
-            pass
+        note_ranks(os.path.join(os.path.dirname(ctx.note), name) if name else ctx.note, ranks)
+
+
+def note_ranks(path: str, ranks: list[int]) -> None:
+    try:
+        with open(path, "w") as fh:
+            fh.write(",".join(map(str, ranks)) + "\n")
+    except OSError:
+        pass
 
 
 def linger(ctx) -> None:

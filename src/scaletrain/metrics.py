@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import platform
 import socket
 import statistics
@@ -204,6 +205,16 @@ class Recorder:
     def close(self) -> None:
         self.fh.close()
         self.tb.close()
+
+
+LAUNCHED = "SCALETRAIN_LAUNCHED"  # environment: when the launcher started the job (time.time())
+
+
+def start_up(what: str, launched: float | None = None) -> str:
+    """A line of a distributed job's start-up progress (the launcher's and the chief's, a few a job),
+    with the seconds since the launch where the launcher said when (`launched`, or LAUNCHED)."""
+    at = launched or os.environ.get(LAUNCHED)
+    return f"start-up: {what}" + (f" ({time.time() - float(at):.1f} s)" if at else "")
 
 
 class Progress:

@@ -32,7 +32,7 @@ from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
 from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
 from .errors import RunError
-from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
+from .metrics import DeviceTimer, JobClock, Progress, Recorder, start_up, sync
 from .models import build_model
 from .optim import build_optimizer, lr_at
 from .strategies import build_strategy, images_per_update
@@ -117,6 +117,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     update_images = images_per_update(cfg)
     slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
     model.train()
+    if ctx.distributed:
+        run.bar.message(start_up("data ready, training"))
     try:
         while not tick.stop:
             t0 = time.perf_counter()

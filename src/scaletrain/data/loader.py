@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from ..liveness import die_with_parent
+from ..launch.fork import die_with_parent
 from . import decode
 from .augment import Augment, centre, on_device
 from .sources import BadImage

@@ -24,6 +24,7 @@ from ..errors import USER_ERRORS, PlanError, Stopped
 from ..device import facts
 from ..config import load_config
 from ..ps.server import run_shard
+from ..metrics import start_up
 from ..train import train
 from . import env as launch_env
 from .env import LaunchError
@@ -56,12 +57,18 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         # Before any process group: NCCL's communicators, the caching allocator and every kernel of
         # this process on its own GPU, never GPU 0 by default.
         torch.cuda.set_device(plan.procs[rank].device)
+    note = str(run_dir / "logs" / f"rank{rank}.lost")
     try:
         ctx = sdist.init(cfg, plan, seat)
     except (sdist.PeerLost, sdist.PortInUse, LaunchError) as e:
         print(f"scaletrain: error: {plan.describe(rank)}: {e}", file=sys.stderr, flush=True)
+        if getattr(e, "culprits", None):  # it failed because of them: the launcher names them
+            sdist.note_ranks(note, e.culprits)
+            return sdist.EXIT_PEER
         return 1
-    ctx.note = str(run_dir / "logs" / f"rank{rank}.lost")
+    ctx.note = note
+    if progress and ctx.is_chief:
+        print(start_up("process groups ready"), flush=True)
     # Kept to the process's exit: a stop signal can come more than once (under Slurm a worker got the
     # warning signal again in its last barrier, after the checkpoint, and died of it), and none kills it.
     # The workers decide when to stop; a PS shard's request reaches them through its replies.

@@ -2,6 +2,7 @@
 
 Emulated nodes are groups of processes; the rendezvous listens on loopback.
 Rank 0 (the chief) writes to this terminal, the others to RUN_DIR/logs/.
+The processes are forks of one process that imported torch once (fork.py).
 
 Failures: when a process fails, the others get cluster.timeout_s + 5 s to
 notice and exit on their own (their logs then name the lost rank), then are
@@ -10,7 +11,8 @@ one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
 are frozen, and are killed at once (without a note, those still running a
 few seconds after the first such exit are taken for frozen). The
 launcher names the first process that failed or went silent, not one that
-left because of it. A worker node the job may go on without
+left because of it, nor one it killed itself (rank 0 stays a moment after it
+leaves, serving the store, and may be killed then). A worker node the job may go on without
 (strategies.survivable) may end any way: the launcher waits for the chief's
 word (RUN_DIR/logs/dropped, see liveness.py), kills what of it still runs, and
 the job's status is that of the others.
@@ -20,8 +22,9 @@ which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
 second one kills them at once. Each process holds them (blocked) from its
 start until its handlers are in place, so one sent during start-up is the same
 stop at the first agreed step, not a process killed half-started. Every
-process is started with the kernel's parent-death signal set to SIGKILL:
-whatever kills the launcher, even kill -9, takes its processes with it.
+process has the kernel's parent-death signal set to SIGKILL (toward its
+starter, and the starter toward the launcher): whatever kills the launcher,
+even kill -9, takes its processes with it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from functools import partial
@@ -40,11 +42,12 @@ from ..device import facts
 from ..config import Config, dump_toml
 from ..dist import EXIT_PEER
 from ..errors import EXIT_STOPPED
-from ..liveness import die_with_parent
+from ..metrics import LAUNCHED, start_up
 from ..plan import Plan
 from .. import strategies
 from ..plan import node_name
 from .env import LaunchError, plan_for
+from .fork import Forked, Starter, die_with_parent
 
 
 def free_port(addr: str) -> int:
@@ -79,10 +82,10 @@ def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
 
 
 def _child_setup(held: list[int], launcher: int) -> None:
-    """In the child, before exec: the kernel kills it when the launcher dies, however it dies; and the
-    stop signals are held (blocked, so they wait pending) until the process has its handlers
-    (dist.catch_stop_signals): one forwarded while it still imports torch or meets the others would
-    kill it, and the launcher would take that for a failure."""
+    """In the process starter, before exec: the kernel kills it when the launcher dies, however it
+    dies; and the stop signals are held (blocked, so they wait pending) in it and in every process it
+    forks until the process has its handlers (dist.catch_stop_signals): one forwarded while a process
+    still meets the others would kill it, and the launcher would take that for a failure."""
     die_with_parent(launcher)
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
 
@@ -108,6 +111,12 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
 
 
 def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, progress: bool, held: list[int]) -> int:
+    launched = time.time()
+
+    def say(what: str, since: float | None = launched) -> None:
+        if progress:
+            print(start_up(what, since), flush=True)
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
@@ -115,28 +124,28 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
     job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
-    procs: list[subprocess.Popen] = []
-    for p in plan.procs:
-        env = dict(os.environ, RANK=str(p.rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(p.local_rank),
-                   MASTER_ADDR=addr, MASTER_PORT=str(cfg.cluster.master_port), SCALETRAIN_JOB=job,
-                   SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads),
-                   OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
-        cmd += ["--resume"] if resume else []
-        cmd += [] if progress else ["--quiet"]
-        out = None if p.rank == 0 else open(run_dir / "logs" / f"rank{p.rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      preexec_fn=partial(_child_setup, held, os.getpid())))
-        if out:
-            out.close()
-    return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
-                  lambda lost: strategies.survivable(cfg, plan, lost))
+    common = dict(os.environ, WORLD_SIZE=str(plan.world_size), MASTER_ADDR=addr, SCALETRAIN_JOB=job,
+                  MASTER_PORT=str(cfg.cluster.master_port), OMP_NUM_THREADS=str(threads), **{LAUNCHED: str(launched)})
+    argv = [str(run_dir)] + (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
+    specs = [{"argv": argv, "log": str(run_dir / "logs" / f"rank{p.rank}.log") if p.rank else None,
+              "env": dict(common, RANK=str(p.rank), LOCAL_RANK=str(p.local_rank),
+                          SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads))}
+             for p in plan.procs]
+    say(f"starting {plan.world_size} processes", None)
+    starter = Starter(run_dir, common, partial(_child_setup, held, os.getpid()))
+    try:
+        procs = starter.start(specs)
+        say(f"{len(procs)}/{plan.world_size} processes up")
+        return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
+                      lambda lost: strategies.survivable(cfg, plan, lost))
+    finally:
+        starter.close()
 
 
 class _Forward:
     """The launcher's handler of stop signals: pass the first on, kill on the second."""
 
-    def __init__(self, procs: list[subprocess.Popen], names: tuple[str, ...]) -> None:
+    def __init__(self, procs: list[Forked], names: tuple[str, ...]) -> None:
         self.procs, self.signal, self.killed = procs, None, False
         self.sigs = stop_signals_of(names)
 
@@ -160,21 +169,29 @@ class _Forward:
             signal.signal(s, h)
 
 
-def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Path, stop_signals: tuple[str, ...],
+def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_signals: tuple[str, ...],
            survivable=lambda lost: False) -> int:
     """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1."""
     failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
     frozen: list[int] = []
     spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
+    killed: set[int] = set()  # killed by this launcher while running: their end is not their failure
+
+    def kill(ranks) -> None:
+        # Rank 0 stays a moment after it leaves (it serves the store): killed then, it did not fail.
+        killed.update(r for r in ranks if procs[r].poll() is None)
+        _stop([procs[r] for r in ranks], signal.SIGKILL)
+
+    everyone = range(len(procs))
     with _Forward(procs, stop_signals) as fwd:
         while True:
             running = any(p.poll() is None for p in procs)  # taken first: the last sweep sees every exit
             now = time.time()
             dropped = read_ranks(run_dir, "dropped")
-            _stop([procs[r] for r in dropped], signal.SIGKILL)  # frozen, or woken too late: the job went on
+            kill(dropped)  # frozen, or woken too late: the job went on
             for rank, p in enumerate(procs):
                 rc = p.poll()
-                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in frozen + dropped + spared:
+                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in killed.union(frozen, dropped, spared):
                     continue
                 if failed is None and survivable(set(dropped + spared + strategies.lost_with(plan, rank))):
                     spared.append(rank)
@@ -185,16 +202,16 @@ def _watch(plan: Plan, procs: list[subprocess.Popen], grace: float, run_dir: Pat
                     named = [r for r in read_ranks(run_dir, f"rank{rank}.lost") if procs[r].poll() is None]
                     if named and failed is None and not frozen:  # it left because of a peer that is frozen
                         frozen = named
-                        _stop(procs, signal.SIGKILL)
+                        kill(everyone)
                 elif failed is None:
                     failed = (rank, now)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; waiting up to {grace:.0f} s for the "
                           "others to stop", file=sys.stderr, flush=True)
             if failed is None and not frozen and left is not None and now - left[1] > FROZEN_S:
                 frozen = [r for r, p in enumerate(procs) if p.poll() is None]
-                _stop(procs, signal.SIGKILL)
+                kill(everyone)
             if failed is not None and now - failed[1] > grace:
-                _stop(procs, signal.SIGKILL)
+                kill(everyone)
             if not running:
                 break
             time.sleep(0.2)
@@ -228,7 +245,7 @@ def read_ranks(run_dir: Path, name: str) -> list[int]:
         return []
 
 
-def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+def _stop(procs: list[Forked], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(sig)

@@ -71,6 +71,7 @@ from .. import strategies
 from ..config import Config, dump_toml
 from ..device import SETUP_DONE
 from ..errors import EXIT_STOPPED
+from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
 from . import cpus, fabric
 from .env import LaunchError, allocation_hosts, het_groups, plan_for, slurm_hosts, slurm_port
@@ -201,7 +202,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     # The batch slot's layout (one task a node) is not the step's: srun would read it from there.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_NTASKS_PER_NODE")}
-    env.update(SCALETRAIN_THREADS=",".join(map(str, threads)), SCALETRAIN_PORT=str(port))
+    env.update(SCALETRAIN_THREADS=",".join(map(str, threads)), SCALETRAIN_PORT=str(port),
+               **{LAUNCHED: str(time.time())})
     if not het:  # srun takes a host file's hosts as every component's node list
         env.update(SLURM_HOSTFILE=str(hostfile))
     step: list[subprocess.Popen] = []

@@ -1,0 +1,179 @@
+"""The local launcher's processes, forked from one process that imported torch once.
+
+Every job process imports torch (2-3 s of CPU), torch._dynamo (torch.optim
+imports it at an optimizer's first parameter group, 1 s) and its data
+source's library (sklearn for the digits, 1 s). N processes doing that at
+once on a machine of few cores spend N times the CPU before they meet, and
+reach the rendezvous far apart: 32 processes on two cores needed minutes.
+The starter (`python -m scaletrain.launch.fork RUN_DIR ...`) imports them
+once and forks every process of the job; their pages stay shared (copy on
+write) and a process is up in milliseconds.
+
+Forking is safe here: the starter runs no Python thread and initialises no
+GPU (each process does, after the fork, as before); the BLAS libraries that
+numpy and scipy load stop their thread pools across a fork.
+
+The launcher writes one JSON line per process (its argv for entry.main, its
+environment, its log, or none for the terminal), reads back its pid and opens
+a pidfd on it (a signal sent through a pidfd never reaches a later process
+that got the same pid), then writes `go`. Only then does the starter reap the
+processes it forked, reporting `pid status` for each (-N: killed by signal N,
+as subprocess says). Every process has the kernel's parent-death signal set
+to SIGKILL toward the starter, and the starter toward the launcher: whatever
+kills the launcher takes them all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+# What job processes import later on their own, imported once in the starter: torch._dynamo (torch.optim
+# imports it at an optimizer's first parameter group, 1 s of CPU), the libraries the data sources read with
+# (sklearn's 1 s for the digits).
+WARM = ("torch._dynamo", "sklearn.datasets", "PIL.Image", "simplejpeg")
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent dies, however it dies, kill -9
+    included. A fork does not inherit it, so each generation sets its own: the starter, the job's
+    processes, their beats and their loader processes. parent: the pid that started this process; if
+    it died before the signal was set (this process was adopted meanwhile), exit now. The signal
+    comes when the parent's thread that started this process ends: the main thread, for every
+    caller here."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class Forked:
+    """A process the starter forked: as much of subprocess.Popen as the launcher uses."""
+
+    def __init__(self, pid: int, codes: dict) -> None:
+        self.pid, self.codes, self.returncode = pid, codes, None
+        self.fd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        self.returncode = self.codes.get(self.pid)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                signal.pidfd_send_signal(self.fd, sig)
+            except ProcessLookupError:  # it ended since
+                pass
+
+
+class Starter:
+    """The launcher's side: start the starter, ask it for processes, learn how they end."""
+
+    def __init__(self, run_dir: Path, env: dict, setup) -> None:
+        to_r, to_w = os.pipe()
+        back_r, back_w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", "scaletrain.launch.fork", str(run_dir), str(to_r),
+                                      str(back_w)], env=env, pass_fds=(to_r, back_w), preexec_fn=setup)
+        os.close(to_r)
+        os.close(back_w)
+        self.to, self.back = os.fdopen(to_w, "w"), os.fdopen(back_r, "r")
+        self.codes: dict[int, int] = {}
+        self.procs: list[Forked] = []
+
+    def start(self, specs: list[dict]) -> list[Forked]:
+        """Fork one process per spec ({argv, env, log}); returns them in that order."""
+        self.to.write("".join(json.dumps(s) + "\n" for s in specs))
+        self.to.flush()
+        for _ in specs:
+            line = self.back.readline()
+            if not line:
+                raise OSError(f"the process starter ended (status {self.proc.wait()}) before it forked every process")
+            self.procs.append(Forked(int(line), self.codes))
+        self.to.write("go\n")  # every pid has its pidfd: the starter may reap them now
+        self.to.flush()
+        threading.Thread(target=self._reports, daemon=True).start()
+        return self.procs
+
+    def _reports(self) -> None:
+        for line in self.back:
+            pid, code = map(int, line.split())
+            self.codes[pid] = code
+        # The starter is gone: a process it did not report died with it (parent-death signal).
+        for p in self.procs:
+            self.codes.setdefault(p.pid, -signal.SIGKILL)
+
+    def close(self) -> None:
+        """Kill what still runs (nothing, after a job that ended), and wait for the starter."""
+        for p in self.procs:
+            p.send_signal(signal.SIGKILL)
+        self.to.close()
+        self.proc.wait()
+        for p in self.procs:
+            os.close(p.fd)
+
+
+def _child(spec: dict, starter: int) -> None:
+    """In a forked process: become the job process the spec describes; never returns."""
+    die_with_parent(starter)
+    if spec["log"]:
+        fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    from .entry import exit_now, main
+
+    try:
+        rc = main(spec["argv"])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback to the log, status 1
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    exit_now(rc)
+
+
+def serve(to: int, back: int) -> None:
+    """The starter: import, fork a process per spec read from `to`, report pids then statuses to `back`."""
+    from . import entry  # noqa: F401 - torch and the package
+
+    for name in WARM:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional library this installation lacks: no job of it imports it
+            pass
+
+    # Python 3.12 warns of any fork in a process with threads; the starter's are the BLAS pools,
+    # which stop across a fork (the module doc).
+    warnings.filterwarnings("ignore", message=".*fork", category=DeprecationWarning)
+    me, started = os.getpid(), 0
+    with os.fdopen(to, "r") as lines:
+        for line in lines:
+            if line.strip() == "go":
+                break
+            spec = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                lines.close()
+                os.close(back)
+                _child(spec, me)
+            started += 1
+            os.write(back, f"{pid}\n".encode())
+    for _ in range(started):
+        pid, status = os.wait()
+        os.write(back, f"{pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[2]), int(sys.argv[3]))
