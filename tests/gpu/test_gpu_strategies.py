@@ -32,8 +32,10 @@ def test_compressed_allreduce_sends_half_the_bytes(train_run):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_strategy_completes_with_two_emulated_nodes_sharing_one_gpu(train_run, gpu_name, strategy):
     run = train_run(strategy, *TWO_NODES_ONE_GPU, f"strategy.name={strategy}", *STRATEGIES[strategy],
-                    "train.steps=12", "train.log_every=2", "train.warmup_log_steps=1")
+                    "train.steps=40", "train.log_every=4", "train.warmup_log_steps=1")
     s = run.summary
+    # 40 steps: on an H100 the first step takes ~7 s (CUDA and cuDNN start) and each later one a few
+    # ms; in one run of 12 steps under mixed-async the chief timed no log window (images_per_sec null).
     assert s["device"] == gpu_name
     assert (s["strategy"], s["nodes"], s["replicas"], s["not_applied"]) == (strategy, 2, 2, {})
     assert s["images_per_sec"] > 0 and s["test_accuracy"] is not None
