@@ -308,11 +308,12 @@ def rerun_finished(tmp: Path) -> dict:
     if Job(run_dir, sets).wait() != 0:
         raise RuntimeError("the first run failed")
     before = {f: (run_dir / f).read_bytes() for f in ("summary.json", "config.toml")}
-    again = Job(run_dir, sets)
+    again = Job(run_dir, sets, quiet=False)
     rc = again.wait()
     equal = all((run_dir / f).read_bytes() == b for f, b in before.items())
+    said = [line for _, line in again.lines + again.out]
     return dict(fault="the finished run's command again", strategy="allreduce", exit=rc, files_equal=equal,
-                said=again.lines[-1][1] if again.lines else "", right=rc == 0 and equal)
+                said=said[-1] if said else "", right=rc == 0 and equal)
 
 
 def sigterm_start_up(tmp: Path, after_s: float = 4.0) -> dict:

@@ -4,8 +4,7 @@ Every job process imports torch (2-3 s of CPU), torch._dynamo (torch.optim
 imports it at an optimizer's first parameter group, 1 s) and its data
 source's library (sklearn for the digits, 1 s). N processes doing that at
 once on a machine of few cores spend N times the CPU before they meet, and
-reach the rendezvous far apart: 32 processes on two cores needed minutes.
-The starter (`python -m scaletrain.launch.fork RUN_DIR ...`) imports them
+reach the rendezvous far apart. The starter (`python -m scaletrain.launch.fork RUN_DIR ...`) imports them
 once and forks every process of the job; their pages stay shared (copy on
 write) and a process is up in milliseconds.
 

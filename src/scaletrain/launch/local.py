@@ -9,13 +9,13 @@ notice and exit on their own (their logs then name the lost rank), then are
 killed. A process that exits with dist.EXIT_PEER left because of another
 one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
 are frozen, and are killed at once (without a note, those still running a
-few seconds after the first such exit are taken for frozen). The
-launcher names the first process that failed or went silent, not one that
-left because of it, nor one it killed itself (rank 0 stays a moment after it
-leaves, serving the store, and may be killed then). A worker node the job may go on without
-(strategies.survivable) may end any way: the launcher waits for the chief's
-word (RUN_DIR/logs/dropped, see liveness.py), kills what of it still runs, and
-the job's status is that of the others.
+few seconds after the first such exit are taken for frozen). The launcher
+names the first process that failed or went silent, not one that left
+because of it, nor one it killed itself (rank 0 stays a moment after it
+leaves, serving the store, and may be killed then). A worker node the job
+may go on without (strategies.survivable) may end any way: the launcher waits
+for the chief's word (RUN_DIR/logs/dropped, see liveness.py), kills what of
+it still runs, and the job's status is that of the others.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
 which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
