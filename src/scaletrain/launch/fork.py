@@ -150,7 +150,7 @@ def serve(to: int, back: int) -> None:
     for name in WARM:
         try:
             importlib.import_module(name)
-        except ImportError:  # an optional library this installation lacks: no job of it imports it
+        except Exception:  # noqa: BLE001 - missing or broken: a job that needs it fails in its own process, saying so
             pass
 
     # Python 3.12 warns of any fork in a process with threads; the starter's are the BLAS pools,
