@@ -1,12 +1,12 @@
 """The local launcher's processes, forked from one process that imported torch once.
 
-Every job process imports torch (2-3 s of CPU), torch._dynamo (torch.optim
-imports it at an optimizer's first parameter group, 1 s) and its data
-source's library (sklearn for the digits, 1 s). N processes doing that at
-once on a machine of few cores spend N times the CPU before they meet, and
-reach the rendezvous far apart. The starter (`python -m scaletrain.launch.fork RUN_DIR ...`) imports them
-once and forks every process of the job; their pages stay shared (copy on
-write) and a process is up in milliseconds.
+Every job process imports torch, torch._dynamo (torch.optim imports it at an
+optimizer's first parameter group) and its data source's library (sklearn for
+the digits): seconds of CPU each. N processes doing that at once on a machine
+of few cores spend N times the CPU before they meet, and reach the rendezvous
+far apart. The starter (`python -m scaletrain.launch.fork RUN_DIR ...`)
+imports them once and forks every process of the job; their pages stay shared
+(copy on write) and a process is up in milliseconds.
 
 Forking is safe here: the starter runs no Python thread and initialises no
 GPU (each process does, after the fork, as before); the BLAS libraries that
@@ -37,8 +37,8 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 # What job processes import later on their own, imported once in the starter: torch._dynamo (torch.optim
-# imports it at an optimizer's first parameter group, 1 s of CPU), the libraries the data sources read with
-# (sklearn's 1 s for the digits).
+# imports it at an optimizer's first parameter group), the libraries the data sources read with
+# (sklearn for the digits).
 WARM = ("torch._dynamo", "sklearn.datasets", "PIL.Image", "simplejpeg")
 
 
