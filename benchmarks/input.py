@@ -31,13 +31,17 @@ same_picture compares the new path's normalised centre crops with the previous p
 
     python benchmarks/input.py [--count 256 --size 224 --batch 32 --repeats 5 --model-rate 2500]
     python benchmarks/input.py --quick     # 32 images, one repeat: a smoke run
+    python benchmarks/input.py --save      # also benchmarks/results/input-<UTC time>-<short commit>.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,8 +55,9 @@ from scaletrain.data.augment import ON_DEVICE, Augment
 from scaletrain.data.loader import Prepare, Samples, ShardedBatches, collate
 from scaletrain.data.shards import open_shards, pack
 from scaletrain.data.sources import IMAGENET, FileDataset, scan_folder
-from scaletrain.metrics import run_info, sync
+from scaletrain.metrics import git_commit, run_info, sync
 
+ROOT = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT, QUALITY, CLASSES = 500, 375, 90, 4
 PHOTOS = ("china.jpg", "flower.jpg")
 SEED = 0
@@ -238,6 +243,7 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=float, default=4.0, help="shard size, MB")
     ap.add_argument("--device", default="cpu", help="where loader.Prepare runs (cpu, cuda)")
     ap.add_argument("--quick", action="store_true", help="32 images, one repeat, one warm-up batch")
+    ap.add_argument("--save", action="store_true", help="also write benchmarks/results/input-TIME-COMMIT.json")
     a = ap.parse_args()
     if a.quick:
         a.count, a.repeats, a.warmup = a.batch, 1, 1
@@ -274,7 +280,7 @@ def main() -> None:
         per_core = measure(rows, a.repeats, a.warmup)
 
         rate = {"files": per_core[f"files/{rc_flip}"]["median"], "shards": per_core[f"shards/{rc_flip}"]["median"]}
-        print(json.dumps({
+        result = {
             "benchmark": "input", "images": images, "image_size": a.size, "batch": a.batch, "repeats": a.repeats,
             "warmup_batches": a.warmup, "torch_threads": torch.get_num_threads(), "loader_processes": 0,
             "shards": len(train.files),
@@ -286,7 +292,22 @@ def main() -> None:
                                   for r in (a.model_rate, K80_RATE)},
             "same_picture": same_picture(paths, labels, a.size),
             **run_info(device),
-        }, indent=1))
+        }
+    print(json.dumps(result, indent=1))
+    if a.save:
+        save(result)
+
+
+def save(result: dict) -> None:
+    """The result with the command that made it, the machine's core count and load, and whether
+    the tree differed from its commit (a figure of a dirty tree is not the commit's)."""
+    commit, stamp = git_commit(), time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip() != ""
+    out = ROOT / "benchmarks" / "results" / f"input-{stamp}-{commit[:7]}.json"
+    out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), **result, "git_dirty": dirty,
+                               "cpus": os.cpu_count(), "load_after": os.getloadavg()}, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

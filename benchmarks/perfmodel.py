@@ -24,17 +24,23 @@ each configuration's measurement the mean of its 3 passes (mean_rows), as
 Then profiles/study-k80.toml predicts the study's 4-worker configurations and
 sync against mixed-async at 2 to 16 nodes.
 
-Prints one JSON object (about 20 minutes on two quiet cores).
+Prints one JSON object (about 20 minutes on two quiet cores). --study-only
+measures nothing and runs only the study's predictions (seconds); --save also
+writes the object to benchmarks/results/perfmodel-<UTC time>-<short commit>.json.
 
     python benchmarks/perfmodel.py [--out runs/perfmodel] [--steps 30] [--regimes plain emulated] [--rescore]
+                                   [--study-only] [--save]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -42,7 +48,8 @@ from strategies import stdout_to_stderr
 
 from scaletrain.cli import main as cli
 from scaletrain.config import load_config
-from scaletrain.perfmodel.predict import predict
+from scaletrain.metrics import git_commit, run_info
+from scaletrain.perfmodel.predict import add_time, predict
 from scaletrain.perfmodel.calibrate import median_profile, rederive
 from scaletrain.perfmodel.profile import dump_profile, load_profile
 
@@ -171,9 +178,11 @@ def study() -> dict:
         rate = {s: predict(load_config(recipe, ["cluster.gpus_per_node=4", f"cluster.nodes={nodes}",
                                                 f"cluster.num_ps={ps}", f"strategy.name={s}"]), k80)["images_per_sec"]
                 for s in ("sync", "mixed-async")}
+        hours = add_time({"images_per_sec": rate["sync"]}, k80.dataset_images, k80.epochs).get("train_hours")
         versus.append({"nodes": nodes, "ps_alongside": ps, "sync": round(rate["sync"], 1),
                        "mixed_async": round(rate["mixed-async"], 1),
-                       "sync_over_mixed_async": round(rate["sync"] / rate["mixed-async"], 3)})
+                       "sync_over_mixed_async": round(rate["sync"] / rate["mixed-async"], 3),
+                       "sync_train_hours": None if hours is None else round(hours, 1)})
     return {"study_k80_4_workers": rows, "sync_vs_mixed_async": versus}
 
 
@@ -185,9 +194,30 @@ def main() -> None:
     ap.add_argument("--rescore", action="store_true",
                     help="measure nothing: score the model of this version on the calibrations and bench rows "
                          "an earlier run left in --out")
+    ap.add_argument("--study-only", action="store_true",
+                    help="measure nothing here: only profiles/study-k80.toml's predictions of the study")
+    ap.add_argument("--save", action="store_true", help="also write benchmarks/results/perfmodel-TIME-COMMIT.json")
     args = ap.parse_args()
-    print(json.dumps({**{name: regime(name, args.out / name, args.steps, args.rescore) for name in args.regimes},
-                      **study()}, indent=1))
+    regimes = [] if args.study_only else args.regimes
+    result = {**{name: regime(name, args.out / name, args.steps, args.rescore) for name in regimes}, **study()}
+    print(json.dumps(result, indent=1))
+    if args.save:
+        save(result)
+
+
+def save(result: dict) -> None:
+    """The result with the command that made it, where it ran, and whether the tree differed from
+    its commit (a figure of a dirty tree is not the commit's)."""
+    import torch  # heavy: only for the device's description
+
+    commit, stamp = git_commit(), time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip() != ""
+    out = ROOT / "benchmarks" / "results" / f"perfmodel-{stamp}-{commit[:7]}.json"
+    out.write_text(json.dumps({"benchmark": "perfmodel", "command": "python " + " ".join(sys.argv),
+                               **run_info(torch.device("cpu")), "git_dirty": dirty, "cpus": os.cpu_count(),
+                               **result}, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
