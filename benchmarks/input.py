@@ -247,6 +247,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.count, a.repeats, a.warmup = a.batch, 1, 1
+    load_before = os.getloadavg()
     torch.set_num_threads(1)  # one loader core: loader processes run one thread each (loader._one_thread)
     device = torch.device(a.device)
     rc_flip = "resized-crop+flip"
@@ -295,10 +296,10 @@ def main() -> None:
         }
     print(json.dumps(result, indent=1))
     if a.save:
-        save(result)
+        save(result, load_before)
 
 
-def save(result: dict) -> None:
+def save(result: dict, load_before: tuple) -> None:
     """The result with the command that made it, the machine's core count and load, and whether
     the tree differed from its commit (a figure of a dirty tree is not the commit's)."""
     commit, stamp = git_commit(), time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
@@ -306,7 +307,8 @@ def save(result: dict) -> None:
                            capture_output=True, text=True).stdout.strip() != ""
     out = ROOT / "benchmarks" / "results" / f"input-{stamp}-{commit[:7]}.json"
     out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), **result, "git_dirty": dirty,
-                               "cpus": os.cpu_count(), "load_after": os.getloadavg()}, indent=1) + "\n")
+                               "cpus": os.cpu_count(), "load_before": load_before,
+                               "load_after": os.getloadavg()}, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
 
 
