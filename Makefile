@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test unit install slurm clean gpu-check
+.PHONY: demo demo-docs docs test unit install slurm clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,22 @@ demo: $(STAMP)
 	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) --grid cluster.nodes=1,2,4 $(DEMO_RULE) --until epochs=12 --out $(DEMO)/study
 	$(BIN)/scaletrain report $(DEMO)/bench $(DEMO)/study --out $(DEMO)/report
 
+# The demo's page of the documentation: the tables of the last `make demo` (runs/demo), with the
+# commit they ran at and the state of this checkout. Reads files only (no .venv needed).
+demo-docs:
+	$(PY) benchmarks/demo_tables.py --demo $(DEMO) --out docs/demo.md
+
+# The documentation site: docs/ into site/ with mkdocs (the `docs` extra). --strict fails on any
+# warning; mkdocs.yml makes a broken link or anchor one.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 # Slurm and munge from Debian, for the tests that start an emulated 4-node cluster (root only).
 slurm:
 	command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || \
@@ -63,4 +79,4 @@ gpu-check: $(STAMP)
 endif
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
