@@ -42,7 +42,7 @@ demo-docs:
 
 # The documentation site: docs/ into site/ with mkdocs (the `docs` extra). --strict fails on any
 # warning; mkdocs.yml makes a broken link or anchor one, and a test a page names that does not
-# exist (docs/hooks/tested.py). NO_MKDOCS_2_WARNING: the theme's banner about its successor.
+# exist (docs/hooks/references.py). NO_MKDOCS_2_WARNING: the theme's banner about its successor.
 DOCS_STAMP := $(VENV)/.docs-installed
 
 $(DOCS_STAMP): $(STAMP)

@@ -1,4 +1,5 @@
-"""mkdocs hook: every test the pages name (`test_file.py::test_name`) exists under tests/.
+"""mkdocs hook: every test the pages name (`test_file.py::test_name`) exists under tests/,
+and every relative link of README.md (which is not a page of the site) finds its file.
 
 A page that says a behaviour is tested names the test; a test renamed or removed must not
 leave that claim behind. The test is looked for in every folder under tests/ (files move
@@ -13,10 +14,11 @@ from pathlib import Path
 
 from mkdocs.plugins import get_plugin_logger
 
-log = get_plugin_logger("tested")
+log = get_plugin_logger("references")
 ROOT = Path(__file__).resolve().parents[2]
 REF = re.compile(r"\b(test_\w+\.py)::(test_\w+)")
 DEF = re.compile(r"^\s*(?:async\s+)?def\s+(test_\w+)", re.M)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 
 _known: dict[str, set[str]] = {}
 
@@ -32,8 +34,12 @@ def on_pre_build(config) -> None:
     for path in (ROOT / "tests").rglob("test_*.py"):
         _known.setdefault(path.name, set()).update(DEF.findall(path.read_text()))
     readme = ROOT / "README.md"
-    for ref in _missing(readme.read_text()) if readme.exists() else []:
+    text = readme.read_text() if readme.exists() else ""
+    for ref in _missing(text):
         log.warning("README.md names %s, which is not a test under tests/", ref)
+    for target in LINK.findall(text):
+        if "://" not in target and not target.startswith("mailto:") and not (ROOT / target).exists():
+            log.warning("README.md links to %s, which does not exist", target)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
