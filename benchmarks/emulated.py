@@ -21,10 +21,8 @@ gradient over loopback (G / B) and one optimizer step over it (G / R). The
 PS's CPU per gradient is receiving it, applying it and sending the values
 back, 2 G/B + G/R (loopback moves bytes with the CPU, which a cluster's
 network does not). T = (G/B + 2 G/B + G/R) / 0.5, rounded to 10 ms (--compute-s
-sets it). On an idle machine: G/B = 17 ms, G/R = 11 ms, so T = 0.12 s; the run
-kept in the README measured under another job's load and derived T = 0.21 s,
-before the PS path kept its buffers across steps (which made a PS step of
-this model 25-33% shorter).
+sets it). On an idle machine: G/B = 17 ms, G/R = 11 ms, so T = 0.12 s; under
+another job's load the measured rates are lower and T longer.
 
 What the machine cannot emulate: every emulated node shares the same two
 cores, so an all-reduce's total copying grows with the node count here,
