@@ -20,7 +20,7 @@ def test_two_identical_deterministic_runs_are_bit_equal(train_run, model, norm):
 
 
 def test_exact_resume_equals_an_uninterrupted_run(train_run):
-    # As tests/test_checkpoint.py on CPU: the schedule must not depend on train.steps, which the
+    # As tests/unit/test_checkpoint.py on CPU: the schedule must not depend on train.steps, which the
     # first half changes to stop at step 6 (a cosine schedule would be stretched over 6 steps).
     sets = [*DETERMINISTIC, "model.name=resnet18", "model.norm=batch", "data.image_size=32", "data.batch_size=64",
             "data.augment=crop+flip", "optim.schedule=step", "optim.step_size=4", "optim.warmup_steps=3",

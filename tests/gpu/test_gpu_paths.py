@@ -1,5 +1,5 @@
 """What only a GPU shows of the device paths: queued work, the device's clock, pinned host memory,
-mixed precision and CUDA random states. Their logic is tested on a CPU in tests/test_device_paths.py."""
+mixed precision and CUDA random states. Their logic is tested on a CPU in tests/unit/test_device_paths.py."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 TWO_NODES_ONE_GPU = ["cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.backend=gloo", "train.device=cuda",
                      "model.name=resnet8", "data.workers=0", "train.eval_every=0"]
-# As tests/test_strategies.py: group norm and deterministic kernels, so strategies that apply the same
+# As tests/dist/test_strategies.py: group norm and deterministic kernels, so strategies that apply the same
 # averaged gradients end with the same weights up to the order of float sums.
 EXACT = ["model.norm=group", "optim.name=sgd", "optim.schedule=constant", "optim.warmup_steps=0",
          "data.augment=none", "train.deterministic=true", "train.steps=5", "data.workers=0", "train.log_every=1",

@@ -16,7 +16,7 @@ from scaletrain.cli import main
 from scaletrain.config import ConfigError, load_config
 from scaletrain.optim import compensate, staleness_scale
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "recipes/digits.toml")
 LR, LAMBDA = 0.5, 2.0
 SHARD = ["optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.schedule=constant",

@@ -19,7 +19,7 @@ from scaletrain.perfmodel.recommend import batch_candidates, recommend
 from scaletrain.perfmodel.setup import ModelError, check_workload, make_setup
 from scaletrain.perfmodel.simulate import simulate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 G = 1_000_000  # bytes of the toy gradient
 TOY = Profile(model="resnet8", image_size=16, batch_per_replica=32, gradient_bytes=G, replicas_per_node=4,
               compute_s=1.0, optimizer_s=0.01, intra_bandwidth=1e7, intra_latency=1e-3, net_bandwidth=1e6,

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS = [("scaletrain.cli", "scaletrain.__main__", "scaletrain.api"), ("scaletrain.study",),
           ("scaletrain.perfmodel",), ("scaletrain",)]
 
