@@ -149,7 +149,7 @@ def newest_checkpoint(run_dir: Path) -> int:
 
 
 def stop_signal(tmp: Path, strategy: str, sig: signal.Signals, to_launcher: bool) -> dict:
-    """A stop signal: the job checkpoints at an agreed step and exits 75; run again, it resumes."""
+    """A stop signal: the job checkpoints at a sync point and exits 75; run again, it resumes."""
     run_dir = tmp / f"stop-{strategy}-{sig.name}"
     job = Job(run_dir, STRATEGY[strategy])
     pids = job.training(3 if strategy != "allreduce" else 2)

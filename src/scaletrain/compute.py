@@ -36,11 +36,10 @@ def keep_freed_memory() -> bool:
 
     Every step allocates and frees the same activations and batches. By default glibc serves the
     larger ones with mmap and trims the heap's free top, so the next step faults in fresh zeroed
-    pages, one per 4 KB. Measured with 4 CPU replicas of resnet20 on 2 cores: 17,000 page faults
-    a second in each process and 11% of the cores' time in the kernel; with this, 4% (the peak of a
-    step stays mapped, which the next step needs anyway). Left alone where the user set glibc's
-    MALLOC_*_THRESHOLD_ variables; a preloaded allocator (jemalloc, tcmalloc) does not read these
-    settings. Returns whether they were set."""
+    pages, one per 4 KB: CPU replicas then spend a good share of the cores' time in the kernel.
+    The cost: the peak of a step stays mapped, which the next step needs anyway. Left alone where
+    the user set glibc's MALLOC_*_THRESHOLD_ variables; a preloaded allocator (jemalloc, tcmalloc)
+    does not read these settings. Returns whether they were set."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
     try:
@@ -75,9 +74,10 @@ def grads_to_none(module: torch.nn.Module) -> bool:
 class Backprop:
     """Forward and backward of each batch the loader gives."""
 
-    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, usable,
+    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, inputs,
                  device: torch.device) -> None:
-        self.model, self.optimizer, self.usable = model, optimizer, usable
+        """inputs: a loader's batch -> (x, y) on the device, the network's input (train.Run.inputs)."""
+        self.model, self.optimizer, self.inputs = model, optimizer, inputs
         self.batches = iter(loader)
         self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
         self.to_none = grads_to_none(model)
@@ -85,7 +85,7 @@ class Backprop:
 
     def fetch(self):
         """The next batch on the device as (x, y); None when none of its images could be read."""
-        x, y = self.usable(next(self.batches))
+        x, y = self.inputs(next(self.batches))
         return None if x is None else (x, y)
 
     def __call__(self, batch) -> tuple[torch.Tensor, int]:

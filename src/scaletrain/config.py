@@ -17,8 +17,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import tomli_w
+
 from .device import refused
 from .errors import ConfigError
+from .strategies.traits import REGISTRY
 
 
 # data.augment's names, in the order they are applied (data/augment.py says what each does).
@@ -127,11 +130,11 @@ class TrainConfig:
                           lo=0, hi=10**9)
     target_accuracy: float = opt(0.0, "stop at the first evaluation whose test accuracy reaches this (0 = off; "
                                  "0..1)", lo=0.0, hi=1.0)
-    target_loss: float = opt(0.0, "stop at the first evaluation point where the mean train loss of all replicas "
+    target_loss: float = opt(0.0, "stop at the first evaluation where the mean train loss of all replicas "
                              "since the previous one is at most this (0 = off; >=0)", lo=0.0, hi=1e6)
     checkpoint_every: int = opt(0, "save a checkpoint every this many job steps (0 = only at the end)",
                                 lo=0, hi=10**9)
-    checkpoint_every_s: float = opt(0.0, "also checkpoint at the first agreed step after this many seconds of the job "
+    checkpoint_every_s: float = opt(0.0, "also checkpoint at the first sync point after this many seconds of the job "
                                     "since the last checkpoint (0 = off), seconds", lo=0.0, hi=1e7)
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk (1..100)", lo=1, hi=100)
     log_every: int = opt(10, "write a metrics row every this many job steps (1..10^6)", lo=1, hi=10**6)
@@ -186,8 +189,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    name: str = opt("allreduce", "how replicas synchronise: allreduce | async-allreduce | sync | mixed-async | "
-                    "async | backup", choices=("allreduce", "async-allreduce", "sync", "mixed-async", "async", "backup"))
+    name: str = opt("allreduce", f"how replicas synchronise: {' | '.join(REGISTRY)}", choices=tuple(REGISTRY))
     backup_workers: int = opt(0, "backup: node gradients a version may go without, b (0..nodes-1)", lo=0, hi=4095)
     async_bound: int = opt(0, "async-allreduce: gradients a replica computes while a round is in flight before "
                            "it waits for the round (0 = never waits; 1 = every update exactly 1 stale; 0..4096)",
@@ -251,8 +253,6 @@ def field_docs() -> dict[str, str]:
 
 
 def _toml_value(v: Any) -> str:
-    import tomli_w
-
     return tomli_w.dumps({"v": v}).split("=", 1)[1].strip()
 
 
@@ -329,14 +329,12 @@ def _check_relations(cfg: Config) -> None:
     if cfg.train.steps == 0 and cfg.train.epochs <= 0:
         raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
     s, c = cfg.strategy, cfg.cluster
-    if s.name == "backup" and s.backup_workers >= c.nodes:
+    if REGISTRY[s.name].backups and s.backup_workers >= c.nodes:
         raise ConfigError(f"strategy.backup_workers = {s.backup_workers}: must be below cluster.nodes = {c.nodes} "
                           "(a version needs at least one node's gradient)")
     stale_aware = [f"strategy.{k} = {v}" for k, v in (("staleness_lr", s.staleness_lr),
                                                       ("delay_compensation", s.delay_compensation))
                    if v not in ("none", 0.0)]
-    from .strategies import REGISTRY  # here: the registry's modules import this one
-
     if stale_aware and not s.emulate_workers and REGISTRY[s.name].server != "async":
         names = " or ".join(n for n, e in REGISTRY.items() if e.server == "async")
         raise ConfigError(f"{' and '.join(stale_aware)}: acts on asynchronous updates, those of strategy.name = "
@@ -395,6 +393,4 @@ def read_toml(path: Path, kind: str, error: type[ValueError] = ConfigError) -> d
 
 
 def dump_toml(cfg: Config) -> str:
-    import tomli_w
-
     return tomli_w.dumps(cfg.to_dict())

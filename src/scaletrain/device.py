@@ -41,7 +41,7 @@ def slurm_gpus(env=os.environ) -> int:
 
 def facts(env=os.environ) -> Facts:
     """This process's facts."""
-    import torch
+    import torch  # heavy: config validation and plans read this module without torch
 
     # device_count() is 0 on a CPU build and on a CUDA build with no driver; it does not create a context.
     return Facts(torch.cuda.device_count(), torch.version.cuda, torch.__version__, slurm_gpus(env))
@@ -106,7 +106,7 @@ def setup(deterministic: bool) -> None:
     """Kernel choices of this process. Deterministic mode needs cuBLAS's fixed workspace (set before
     the first cuBLAS call) and refuses every kernel without a deterministic version; the built-in
     models use none (tests/test_device.py checks their ops against torch's list)."""
-    import torch
+    import torch  # heavy: config validation and plans read this module without torch
 
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -17,13 +17,15 @@ as meant.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
 import socket
+import sys
 import warnings as pywarnings
 from pathlib import Path
 
-from .config import ROOTS, Config
+from .config import ROOTS, Config, ConfigError, load_config
 from .device import Facts, not_applied, resolve, slurm_gpus
 from .errors import LaunchError, PlanError
 from .plan import node_name
@@ -39,7 +41,7 @@ SLURM = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "tasks": 
 def torch_facts() -> dict:
     """The torch build and the GPUs it sees. Every CUDA call is guarded: a CPU build, a missing
     driver or a GPU in a bad state becomes `error`, never an exception."""
-    import torch  # here, not at import: seconds, and `scaletrain --help` needs none of it
+    import torch  # heavy: the CLI imports this module for every command; only `doctor` reads torch's facts
 
     f = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
          "nccl": None, "cudnn": None, "gpus": [], "error": None}
@@ -53,9 +55,7 @@ def torch_facts() -> dict:
                     p = torch.cuda.get_device_properties(i)
                     f["gpus"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory})
             f["error"] = next((str(w.message).splitlines()[0] for w in said if "CUDA" in str(w.message)), None)
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_nccl_available():
+        if torch.distributed.is_available() and torch.distributed.is_nccl_available():
             f["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         if torch.backends.cudnn.is_available():
             f["cudnn"] = torch.backends.cudnn.version()
@@ -96,7 +96,7 @@ def slurm_facts(env: dict, host: dict) -> dict:
 
 
 def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tuple[dict, str | None]:
-    """The interfaces of gloo's and NCCL's sockets as dist.init would set them; and the error
+    """The interfaces of gloo's and NCCL's sockets as comm.groups.init would set them; and the error
     it would raise for a cluster.ifname this host lacks."""
     c, error = cfg.cluster, None
     try:
@@ -230,11 +230,6 @@ def human(rep: dict) -> str:
 
 def main(args) -> int:
     """`scaletrain doctor`: 0, 1 when a warning says the job would fail, 2 for bad input."""
-    import json
-    import sys
-
-    from .config import ConfigError, load_config
-
     cfg = None
     if args.recipe or args.overrides:  # --set alone: the defaults with those keys
         try:

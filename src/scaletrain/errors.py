@@ -55,10 +55,11 @@ class ModelError(ValueError):
 
 
 EXIT_STOPPED = 75  # a job stopped on request after its checkpoint (EX_TEMPFAIL: run the same command again)
+EXIT_PEER = 3  # a job process that left because a peer failed or went silent (comm/liveness.py)
 
 
 class Stopped(Exception):
-    """The job stopped on request (a stop signal) after checkpointing at an agreed step; str() says
+    """The job stopped on request (a stop signal) after checkpointing at a sync point; str() says
     where it stands in one line. `status` is the exit status that says so: 130 for Ctrl-C, else 75
     (EX_TEMPFAIL: run the same command again to continue)."""
 

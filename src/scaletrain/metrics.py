@@ -191,8 +191,7 @@ class Recorder:
     """metrics.jsonl rows and TensorBoard scalars of the run (the chief writes them)."""
 
     def __init__(self, run_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+        from torch.utils.tensorboard import SummaryWriter  # heavy (tensorboard): only the chief writes events
         self.fh = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash keeps rows
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
@@ -225,11 +224,9 @@ class Progress:
         self.total, self.every, self.bar = total, every, None
         self.tty = enabled and sys.stdout.isatty()
         if self.tty:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
-                                       TimeRemainingColumn)
-
-            self.bar = Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            from rich import progress as rp  # only a terminal shows a bar; elsewhere plain lines (CI, Slurm)
+            self.bar = rp.Progress(rp.TextColumn(label), rp.BarColumn(), rp.MofNCompleteColumn(),
+                                   rp.TextColumn("{task.fields[info]}"), rp.TimeRemainingColumn())
             self.task = self.bar.add_task(label, total=total, completed=start, info="")
             self.bar.start()
         self.enabled, self.unit = enabled, unit

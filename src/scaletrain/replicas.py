@@ -1,4 +1,4 @@
-"""What the replicas of a job hold apart and share at agreed points: their BatchNorm
+"""What the replicas of a job hold apart and share at sync points: their BatchNorm
 statistics (kept per replica between evaluations, saved per replica in checkpoints)
 and the evaluation each does on its slice of the test set."""
 
@@ -36,12 +36,13 @@ def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | Non
             b.copy_(v)
 
 
-def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group, workers: int,
+def evaluate(model: torch.nn.Module, loader, device: torch.device, inputs, group, workers: int,
              precision: str = "fp32") -> dict[str, float]:
     """Test loss and accuracy over every worker's slice: each evaluates its own, the sums are
     reduced. BatchNorm statistics are averaged over the replicas first, so all evaluate one model.
     precision: train.precision; the forward autocasts as training's does, so the figures are of
-    the model as it trains (and evaluation costs what a forward in training does)."""
+    the model as it trains (and evaluation costs what a forward in training does). inputs: a
+    loader's batch -> (x, y) on the device, (None, None) when none of its images could be read."""
     if group is not None:
         bufs = [b for b in model.buffers() if b.is_floating_point()]
         if bufs:
@@ -50,7 +51,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, usable, group
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, images
     with torch.no_grad():
         for batch in loader:
-            x, y = usable(batch)
+            x, y = inputs(batch)
             if x is None:
                 continue
             with autocast(precision, device):

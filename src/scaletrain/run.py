@@ -9,8 +9,7 @@ Where the job runs follows from the config and from where this process is:
 A job that fails is started again from its newest complete checkpoint, up
 to cluster.max_restarts times; without the failed worker node when
 cluster.min_nodes allows (allreduce: train.steps is rescaled so that the
-job's target stays the same images). torch is imported only once a job is
-about to run.
+job's target stays the same images).
 """
 
 from __future__ import annotations
@@ -23,9 +22,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import list_complete, position, write_file
+from .data import check_data
+from .device import facts
 from .errors import EXIT_STOPPED, LaunchError, RunError, Stopped
+from .launch import entry, local, slurm
 from .launch import env as launch_env
+from .rundir import prepare_run_dir
 from .schedule import step_images
+from .train import train
 
 
 def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
@@ -48,27 +53,17 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
     plan_node: under torchrun, this agent's node index in the plan.
     """
-    from .data import check_data
-    from .device import facts
-    from .rundir import prepare_run_dir
-    from .train import train
-
     # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
     launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())
     if not cfg.distributed:
         return train(cfg, run_dir, resume=resume, progress=progress)
     resume = prepare_run_dir(run_dir, resume, cfg)
     if launch_env.in_torchrun() or launch_env.in_slurm_step():
-        from .launch.entry import exit_now, run
-
-        exit_now(run(cfg, run_dir, resume, progress, node=plan_node))
+        entry.exit_now(entry.run(cfg, run_dir, resume, progress, node=plan_node))
     # Before the launcher makes the run directory: data its processes cannot use leaves none behind.
     # A manifest's files are checked here once for the job, and the check recorded for its chief.
     check_data(cfg, run_dir)
-    if launch_env.in_slurm_allocation():
-        from .launch.slurm import run_job as start
-    else:
-        from .launch.local import launch as start
+    start = slurm.run_job if launch_env.in_slurm_allocation() else local.launch
     restarts, failure = 0, run_dir / "logs" / "failure.json"
     lost: list[dict] = []  # the worker nodes restarts left out, for summary.json's lost_workers
     excluded: list[str] = []  # their hosts, under Slurm
@@ -123,16 +118,12 @@ def _with_lost(run_dir: Path, lost: list[dict]) -> dict[str, Any]:
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text())
     if lost:
-        from .checkpoint import write_file
-
         summary["lost_workers"] = lost + summary.get("lost_workers", [])
         write_file(path, (json.dumps(summary, indent=2) + "\n").encode(), "the summary")
     return summary
 
 
 def _checkpoints(run_dir: Path) -> list[int]:
-    from .checkpoint import list_complete
-
     return [step for step, _ in list_complete(run_dir / "checkpoints")]
 
 
@@ -150,8 +141,6 @@ def _restart_from(run_dir: Path, failed, cfg) -> tuple[str, int]:
     """What a restart of the job `failed` as `cfg` resumes from, in words, and the images applied
     there: the step is said as cfg's job counts it (another count where a node was left out), the
     logged steps lost as the failed job's."""
-    from .checkpoint import position
-
     at = position(run_dir / "checkpoints")
     step, images = _logged(run_dir)
     if at is None:

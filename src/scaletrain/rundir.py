@@ -12,6 +12,7 @@ from typing import Any
 from . import checkpoint, schedule
 from .config import Config
 from .errors import ConfigError, Finished
+from .resume import check_config
 
 log = logging.getLogger("scaletrain")
 
@@ -42,7 +43,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
     if found is None:
         return resume
     state, path, _ = found
-    checkpoint.check_config(path, state["config"], cfg.flat())
+    check_config(path, state["config"], cfg.flat())
     over = finished_at(run_dir, cfg, state)
     if over is not None:  # running it again would only overwrite its results with those of zero steps
         raise Finished(f"{run_dir} holds a finished run (step {state['step']}, the target of {over} steps): "

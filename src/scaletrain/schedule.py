@@ -1,4 +1,4 @@
-"""The job's progress and its agreed points, in images whose gradients were applied.
+"""The job's progress and its sync points, in images whose gradients were applied.
 
 Every strategy counts progress the same way: a run of S steps ends when
 S x (replicas x data.batch_size) images have been applied, however many
@@ -7,10 +7,14 @@ N-b nodes' batches; the asynchronous modes: one update per push). A job step
 is one global batch of applied images; the learning-rate schedule, the
 evaluation and checkpoint cadences and the stop are functions of it.
 
-An agreed point is where every worker holds the same parameters and meets
-the others: a multiple of train.eval_every or train.checkpoint_every job
-steps, or the target. A parameter server holds at the first update that
-reaches a point (see ps/server.py); all-reduce replicas reach it together.
+A sync point is a job step where every worker holds the same parameters and
+meets the others, to evaluate, checkpoint or stop together: a multiple of
+train.eval_every or train.checkpoint_every job steps, the target, or the step
+where a request (a stop signal, a timed checkpoint; comm/liveness.py) is acted
+on. The strategies bring every worker there (Tick.synced): a parameter-server
+shard applies nothing more from the first update that reaches a point until
+every pusher has its values (ps/server.py); all-reduce replicas reach it
+together.
 
 Pure arithmetic: no torch, no communication.
 """
@@ -37,7 +41,7 @@ class Schedule:
         return images // self.step_images
 
     def next_point(self, images: int) -> int:
-        """The first agreed point after `images` (the target at the latest)."""
+        """The first sync point after `images` (the target at the latest) that the cadences make."""
         points = [self.target] + [(images // c + 1) * c for c in self._cadences() if c]
         return min(points)
 

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save
 
-from . import dist as sdist
 from .checkpoint import write_file
-from .ps.server import HIST_BINS
+from .comm.end import store_gather
+from .metrics import run_info
 
+HIST_BINS = 64  # the histograms' bins (staleness, gradients per update): 0..62, the last holds 63 and above
 FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
           "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher",
           "stopped_at")
@@ -49,7 +51,7 @@ def gather(ctx, values: dict) -> list[dict]:
     (their rows are missing)."""
     vec = pack(ctx.plan.world_size, **values)
     if ctx.tolerant:
-        got = sdist.store_gather(ctx, "figures", vec.numpy().tobytes())
+        got = store_gather(ctx, "figures", vec.numpy().tobytes())
         return [unpack(r, torch.frombuffer(bytearray(b), dtype=torch.float64), ctx.plan.world_size)
                 for r, b in sorted(got.items())]
     out = [torch.zeros_like(vec) for _ in range(ctx.plan.world_size)]
@@ -158,10 +160,6 @@ def write_summary(run_dir: Path, model: torch.nn.Module, fields: dict, cfg, ctx,
                   strategy_stats: dict) -> dict:
     """The chief's model.safetensors and summary.json (each written atomically; a file that
     does not fit is CheckpointError, one line naming it and the bytes it needs)."""
-    from safetensors.torch import save
-
-    from .metrics import run_info
-
     write_file(run_dir / "model.safetensors",
                save({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}), "the final weights")
     c = cfg.cluster

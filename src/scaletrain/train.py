@@ -2,15 +2,17 @@
 
 The loop runs until the job's target is reached (schedule.py: images whose
 gradients were applied, the same unit for every strategy), or a target
-accuracy or loss is. At agreed points every worker holds the same values and
-meets the others (`Run.point`): they evaluate their slices of the test set
-together, decide together whether to stop, and the chief checkpoints.
+accuracy or loss is. At sync points (schedule.py) every worker holds the same
+values and meets the others (`Run.sync_point`): they evaluate their slices of
+the test set together, decide together whether to stop, and the chief
+checkpoints.
 
-A job that goes on without lost workers (asynchronous PS modes, see liveness.py)
-has no collective among its workers: at its points the shards hold the
-others while the chief alone evaluates (the whole test set, its replica) and
-checkpoints; the requests come agreed in the shards' replies, and a stop the
-chief decides reaches the others as the shards' DONE.
+A job that goes on without lost workers (asynchronous PS modes, see
+comm/liveness.py) has no collective among its workers: at its sync points the
+shards keep the others waiting while the chief alone evaluates (the whole test
+set, its replica) and checkpoints; the requests come in the shards' replies,
+the same for every worker, and a stop the chief decides reaches the others as
+the shards' DONE.
 """
 
 from __future__ import annotations
@@ -26,19 +28,23 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, schedule, stats
-from .device import facts, not_applied, resolve, setup as setup_kernels
+from .comm.end import stop_signals, stopped
+from .comm.groups import Context, single
+from .comm.liveness import CHECKPOINT, STOP
 from .compute import Backprop, Emulated, keep_freed_memory
 from .config import Config, dump_toml
 from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
-from .dist import CHECKPOINT, STOP, Context, single, stop_signals, stopped
+from .device import facts, not_applied, resolve, setup as setup_kernels
 from .errors import RunError
 from .metrics import DeviceTimer, JobClock, Progress, Recorder, start_up, sync
 from .models import build_model
 from .optim import build_optimizer, lr_at
-from .strategies import build_strategy, images_per_update
 from .replicas import evaluate, load_replica_buffers, replica_buffers
+from .resume import resume_from, rng_state
 from .rundir import make as make_run_dir, prepare_run_dir
 from .strategies.base import Tick
+from .strategies.build import build_strategy
+from .strategies.traits import images_per_update
 
 log = logging.getLogger("scaletrain")
 
@@ -90,8 +96,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
         model = model.to(memory_format=torch.channels_last)
     opt = build_optimizer(cfg.optim, model.parameters())
     sched = make_schedule(cfg, len(train_set))
-    resumed = checkpoint.resume(run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
-                                sched.step_images) if resume else None
+    resumed = resume_from(run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
+                          sched.step_images) if resume else None
     if ctx.is_chief:
         make_run_dir(run_dir)  # only now: a config or data refused above leaves no directory behind
         (run_dir / "config.toml").write_text(dump_toml(cfg))
@@ -107,13 +113,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
         log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in run.not_applied.items()))
     tick = Tick(run.images0, False, run.images0 >= sched.target)
     if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
-        work = Emulated(cfg, model, device)
+        compute = Emulated(cfg, model, device)
     else:
         loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
                                  rank=ctx.me.index, pin=device.type == "cuda")
         forward = strategy.wrap()
-        work = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, loader, run.usable,
-                        device)
+        compute = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, loader, run.inputs,
+                           device)
     update_images = images_per_update(cfg)
     slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
     model.train()
@@ -122,7 +128,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
     try:
         while not tick.stop:
             t0 = time.perf_counter()
-            batch = work.fetch()
+            batch = compute.fetch()
             run.clock.wait += time.perf_counter() - t0
             if batch is None:
                 if ctx.distributed:  # skipping would leave the other replicas waiting in the step's collective
@@ -130,19 +136,19 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
                                     "a distributed step needs at least one; see the warnings above")
                 continue
             lr = lr_at(cfg.optim, sched.step_of(tick.images), sched.steps, update_images)
-            run.compute.start()
-            loss, images = work(batch)  # forward and backward: .grad holds this replica's gradient
+            run.compute_time.start()
+            loss, images = compute(batch)  # forward and backward: .grad holds this replica's gradient
             if slow:
                 time.sleep(slow)  # testing only: an emulated straggler
-            run.compute.stop()
+            run.compute_time.stop()
             before, tick = tick, strategy.step(lr)
             run.after_step(before, tick, loss, images, lr)
-            if tick.hold:
-                tick = run.point(tick)
+            if tick.synced:
+                tick = run.sync_point(tick)
         strategy.finish(stopped=run.stopped)  # after the last snapshot: the PS stop when every pusher has finished
     finally:
         run.close()
-        work.close()
+        compute.close()
     summary = run.summarize(tick, len(train_set), len(test_set))
     if run.stopped:
         step = sched.step_of(tick.images)
@@ -152,7 +158,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Contex
 
 
 class Run:
-    """What the loop reports to: the job clock, metrics rows, and the work at agreed points."""
+    """What the loop reports to: the job clock, metrics rows, and what is done at sync points."""
 
     def __init__(self, cfg, ctx, run_dir, model, strategy, sched, prepare, train_images, test_set, resumed,
                  progress) -> None:
@@ -179,12 +185,12 @@ class Run:
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=self.device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
-        self.computed, self.compute, self.last_loss = 0, DeviceTimer(self.device), float("nan")
-        self.stopped = 0  # the signal that stopped the job before its end (dist.stopped), 0 while it runs
+        self.computed, self.compute_time, self.last_loss = 0, DeviceTimer(self.device), float("nan")
+        self.stopped = 0  # the signal that stopped the job before its end (comm.end.stopped), 0 while it runs
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
         self.slow_input = 0  # log windows in a row the chief waited for data over 10% (None: warned)
 
-    def usable(self, batch: Batch):
+    def inputs(self, batch: Batch):
         """The batch on the device as the network's input, without images that could not be read
         (on_bad_image)."""
         if batch.bad:
@@ -204,9 +210,9 @@ class Run:
         self.computed += n
         self.losses[:, 0] += loss
         self.losses[:, 1] += 1
-        if tick.hold or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
+        if tick.synced or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
             sync(self.device)  # host-device sync: the clock must see the queued work
-            self.compute.seconds()  # reads the steps' events while they are few
+            self.compute_time.seconds()  # reads the steps' events while they are few
             window = self.clock.tick(tick.images, close=True)
             rate = window[0] / window[1] if window else None
             s, n_ = self.losses[0].tolist()  # host-device sync, at log points only
@@ -227,7 +233,7 @@ class Run:
             self._note_lost(tick)
         every = self.cfg.train.checkpoint_every_s
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
-            self.ctx.requests |= CHECKPOINT  # the strategy carries it to an agreed step
+            self.ctx.requests |= CHECKPOINT  # the strategy carries it to the next sync point
 
     def _watch_input(self, wait: float, limit: float = 0.1, windows: int = 3) -> None:
         """Warn once when the chief waited for data over `limit` of `windows` log windows in a row."""
@@ -255,14 +261,14 @@ class Run:
     def epoch(self, images: int) -> float:
         return images / (self.sched.step_images * self.per_epoch)
 
-    def point(self, tick: Tick) -> Tick:
-        """An agreed point: every worker is here with the same values. Decide together whether to
+    def sync_point(self, tick: Tick) -> Tick:
+        """A sync point: every worker is here with the same values. Decide together whether to
         evaluate, checkpoint and stop (the job's target, a target accuracy or loss reached, or a stop
         asked of any process), then do it."""
         s, t = self.sched, self.cfg.train
         at_eval = tick.stop or s.crossed(t.eval_every, self.last_point, tick.images)
         job_loss, asked = self._reduce(reset=at_eval)  # collective: returns once every worker has arrived
-        if self.ctx.tolerant:  # the shards agreed on the requests of this point
+        if self.ctx.tolerant:  # the shards' replies carried the requests of this point, the same for all
             asked = tick.asked
         self.ctx.requests &= ~(asked & CHECKPOINT)
         stop = tick.stop
@@ -316,7 +322,7 @@ class Run:
         if self.evaluation is None:
             return {}
         with self.strategy.latest():
-            res = evaluate(self.model, self.evaluation, self.device, self.usable, self.group,
+            res = evaluate(self.model, self.evaluation, self.device, self.inputs, self.group,
                            len(self.ctx.plan.workers), self.cfg.train.precision)
         if res:
             self.final = res
@@ -335,7 +341,7 @@ class Run:
         with self.strategy.latest() if self.chief else nullcontext():
             state = {"step": self.sched.step_of(tick.images), "images": tick.images,
                      "model": self.model.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
-                     "rng": checkpoint.rng_state(), "config": self.cfg.flat(), "best_test_accuracy": self.best,
+                     "rng": rng_state(), "config": self.cfg.flat(), "best_test_accuracy": self.best,
                      "bad": sorted(self.bad), **self.strategy.snapshot()} if self.chief else None
             if self.group is not None:
                 # Collective over the workers; it is also the barrier: no pusher moves on before the
@@ -359,7 +365,7 @@ class Run:
         c = self.strategy.counters
         mine = dict(node=self.ctx.me.node, computed=self.computed, own_s=self.clock.t, bytes_sent=c.bytes_sent,
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps,
-                    compute_s=self.compute.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
+                    compute_s=self.compute_time.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
                     **self.strategy.figures())
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if self.chief:  # declared after the last step

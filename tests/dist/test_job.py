@@ -166,8 +166,8 @@ def test_heartbeats_compare_no_clocks(monkeypatch):
 
     import torch.distributed as dist
 
-    from scaletrain import dist as sdist
-    from scaletrain import liveness
+    from scaletrain.comm import liveness
+    from scaletrain.comm.groups import Context
     from scaletrain.config import ClusterConfig
     from scaletrain.plan import make_plan
 
@@ -175,16 +175,16 @@ def test_heartbeats_compare_no_clocks(monkeypatch):
     plan = make_plan(ClusterConfig(nodes=3), ps_required=False)
     now = [1000.0]
     monkeypatch.setattr(liveness.time, "monotonic", lambda: now[0])
-    live = liveness._Liveness(sdist.Context(plan, plan.procs[0]))
+    live = liveness._Liveness(Context(plan, plan.procs[0]))
     for r in range(3):
         store.add(f"hb/{r}", 1)  # every rank joined (liveness.join)
     read = lambda: store.multi_get(live.keys)  # noqa: E731 - the heartbeat's one read of every counter
     assert live.missing(store, read()) == []
-    now[0] += sdist.STALE_S + 1
+    now[0] += liveness.STALE_S + 1
     store.add("hb/1", 1)  # rank 1 beats, rank 2 does not
     assert live.missing(store, read()) == [2]
     store.set("done/2", "1")  # a rank that finished cleanly is not missing
-    now[0] += sdist.STALE_S + 1
+    now[0] += liveness.STALE_S + 1
     store.add("hb/1", 1)
     assert live.missing(store, read()) == []
 

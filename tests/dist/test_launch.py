@@ -11,7 +11,7 @@ import time
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.launch.env import LaunchError, expand_nodelist, seat, slurm_port
+from scaletrain.launch.env import LaunchError, expand_nodelist, rendezvous, slurm_port
 from scaletrain.plan import ClusterConfig, make_plan
 
 from conftest import RECIPES, ROOT, scaletrain_cmd
@@ -87,26 +87,26 @@ def test_expand_nodelist_rejects_garbage():
 PLAN = make_plan(ClusterConfig(nodes=2, gpus_per_node=2, num_ps=1), ps_required=True)  # 2 + 3 processes
 
 
-def test_torchrun_seat_comes_from_the_plan_node_not_join_order():
+def test_torchrun_rank_comes_from_the_plan_node_not_join_order():
     env = {"TORCHELASTIC_RUN_ID": "j", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "5",
            "GROUP_RANK": "0", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    s = seat(PLAN, "127.0.0.1", 0, node=1, env=env)
+    s = rendezvous(PLAN, "127.0.0.1", 0, node=1, env=env)
     assert (s.rank, s.launcher, s.job) == (4, "torchrun", "j")  # the PS of node 2
     with pytest.raises(LaunchError, match="without --plan-node"):
-        seat(PLAN, "127.0.0.1", 0, node=None, env=env)
+        rendezvous(PLAN, "127.0.0.1", 0, node=None, env=env)
     with pytest.raises(LaunchError, match="runs 2 processes in the plan but torchrun started 3"):
-        seat(PLAN, "127.0.0.1", 0, node=0, env=env)
+        rendezvous(PLAN, "127.0.0.1", 0, node=0, env=env)
 
 
-def test_slurm_seat():
+def test_slurm_rendezvous():
     env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_NODEID": "1",
            "SLURM_JOB_NODELIST": "node[3-4]", "SLURM_JOB_ID": "4242"}
-    s = seat(PLAN, "127.0.0.1", 0, env=env)
+    s = rendezvous(PLAN, "127.0.0.1", 0, env=env)
     assert (s.rank, s.addr, s.port, s.job) == (3, "node3", slurm_port("4242"), "slurm-4242")
     with pytest.raises(LaunchError, match="on its node index 0, the plan on 1"):
-        seat(PLAN, "127.0.0.1", 0, env={**env, "SLURM_NODEID": "0"})
+        rendezvous(PLAN, "127.0.0.1", 0, env={**env, "SLURM_NODEID": "0"})
     with pytest.raises(LaunchError, match="SLURM_NTASKS = 4 but the plan has 5"):
-        seat(PLAN, "127.0.0.1", 0, env={**env, "SLURM_NTASKS": "4"})
+        rendezvous(PLAN, "127.0.0.1", 0, env={**env, "SLURM_NTASKS": "4"})
 
 
 # --- torchrun, for real ---------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_slurm_time_limits():
 def test_the_launcher_names_the_chief_when_every_process_ended_before_it_looked(tmp_path):
     """Killing the chief ends the others within a moment (its store is gone): the launcher's
     last look must still see the kill, not report a finished job."""
-    from scaletrain.dist import EXIT_PEER
+    from scaletrain.errors import EXIT_PEER
     from scaletrain.launch.local import _watch
 
     plan = make_plan(ClusterConfig(nodes=2, gpus_per_node=1, num_ps=1), ps_required=True)  # worker 0, PS, worker 1

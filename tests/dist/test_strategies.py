@@ -35,6 +35,14 @@ def cluster(nodes, gpus, ps=0, strategy="allreduce", *more):
             f"strategy.name={strategy}", *more]
 
 
+def test_every_name_of_the_traits_table_builds_a_strategy():
+    """traits.REGISTRY names the strategies; build.CLASSES, the only map from a name to code, covers it."""
+    from scaletrain.strategies.build import CLASSES
+    from scaletrain.strategies.traits import REGISTRY
+
+    assert set(CLASSES) == set(REGISTRY)
+
+
 def test_strategies_equal_single_process_exactly(tmp_path):
     b = 8
     _, single = run(tmp_path, "single", *EXACT, f"data.batch_size={4 * b}")

@@ -315,8 +315,8 @@ def test_job_past_its_time_limit_says_timed_out(cluster, tmp_path):
 
 
 def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """Preemption: the warning signal reaches the batch step; every process checkpoints at an agreed
-    step and exits 75; the job is requeued, resumes on its own and ends with an uninterrupted run's weights."""
+    """Preemption: the warning signal reaches the batch step; every process checkpoints at a sync
+    point and exits 75; the job is requeued, resumes on its own and ends with an uninterrupted run's weights."""
     from safetensors.torch import load_file
 
     job_set = ["cluster.nodes=2", "strategy.name=allreduce", "train.deterministic=true", "train.steps=300",

@@ -268,7 +268,7 @@ def test_timed_checkpoints_are_taken_at_steps_every_process_agrees_on(tmp_path, 
     steps = sorted(int(f.stem[5:]) for f in (run_dir / "checkpoints").glob("ckpt-*.pt"))
     wall = [json.loads(line)["wall"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"train"' in line][-1]
-    # About one a second of the job, the final one at step 200. Each comes at the first agreed step
+    # About one a second of the job, the final one at step 200. Each comes at the first sync point
     # 1 s after the previous one was saved: saving and reaching that step stretch the gaps on a loaded
     # machine (to 1.3 s here), so at least one every 2 s.
     assert steps[-1] == 200 and len(steps) - 1 >= int(wall / 2) >= 1, (steps, wall)

@@ -1,4 +1,4 @@
-"""Start-up of a job's process groups with real processes over gloo (dist.py): every group runs a
+"""Start-up of a job's process groups with real processes over gloo (comm/groups.py): every group runs a
 collective before training, so a group that cannot work fails at start-up naming it, and the
 workers agree on the device before any NCCL group is made."""
 import datetime
@@ -32,7 +32,7 @@ def join(rank, port):
 
 def broken_peer(rank, port, out):
     """Rank 1 dies (as a process killed at start-up would) after making the group, before its collective."""
-    from scaletrain import dist as sdist
+    from scaletrain.comm import end, groups
 
     join(rank, port)
     plan = make_plan(ClusterConfig(nodes=1, gpus_per_node=2), ps_required=False)
@@ -40,20 +40,20 @@ def broken_peer(rank, port, out):
     if rank == 1:
         os._exit(0)
     try:
-        sdist.check_groups([("the replicas of node 1", [0, 1], g)], plan.procs[rank], TIMEOUT)
+        groups.check_groups([("the replicas of node 1", [0, 1], g)], plan.procs[rank], TIMEOUT)
         out.put("no error")
-    except sdist.PeerLost as e:
+    except groups.PeerLost as e:
         out.put(str(e))
 
 
 def disagreeing(rank, port, out):
     """Rank 1 found GPUs where rank 0 found none: each built its plan from its own host's facts."""
-    from scaletrain import dist as sdist
+    from scaletrain.comm import end, groups
 
     join(rank, port)
     plan = make_plan(ClusterConfig(nodes=2, gpus_per_node=1), ps_required=False, gpus=rank)
     try:
-        sdist.agree_on_devices(plan, rank)
+        groups.agree_on_devices(plan, rank)
         out.put("agreed")
     except Exception as e:  # noqa: BLE001
         out.put(f"{type(e).__name__}: {e}")
@@ -64,38 +64,38 @@ def busy_at_start_up(rank, port, out):
     that never lets its heartbeat thread run (parsing a large data index, say)."""
     import ctypes
 
-    from scaletrain import dist as sdist
+    from scaletrain.comm import end, groups
 
     ctx = join_job(rank, port)
     if rank == 1:
         ctypes.PyDLL(None).sleep(9)  # a PyDLL call keeps the GIL: no Python thread of this process runs
-    sdist.finish(ctx)
+    end.finish(ctx)
     out.put(f"rank {rank} finished")
 
 
 def join_job(rank, port):
-    """sdist.init of a job of two (timeout_s = 2), as the local launcher's processes call it."""
-    from scaletrain import dist as sdist
+    """groups.init of a job of two (timeout_s = 2), as the local launcher's processes call it."""
+    from scaletrain.comm import end, groups
     from scaletrain.config import Config
-    from scaletrain.launch.env import seat
+    from scaletrain.launch.env import rendezvous
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cfg = Config().replace(**{"cluster.nodes": 2, "cluster.timeout_s": 2.0})
     plan = make_plan(cfg.cluster, ps_required=False)
-    return sdist.init(cfg, plan, seat(plan, "127.0.0.1", port))
+    return groups.init(cfg, plan, rendezvous(plan, "127.0.0.1", port))
 
 
 def stopped_before_joining(rank, port, out):
     """Rank 1 is stopped (SIGSTOP) before it reaches the rendezvous."""
-    from scaletrain import dist as sdist
+    from scaletrain.comm import end, groups
 
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     try:
         join_job(rank, port)
         out.put("joined")
-    except sdist.PeerLost as e:
+    except groups.PeerLost as e:
         out.put((str(e), e.culprits))
 
 
@@ -131,7 +131,7 @@ def test_workers_that_disagree_on_the_device_fail_naming_both():
 
 def test_a_rank_busy_past_the_timeout_holding_the_gil_is_not_declared_lost(capfd):
     """Liveness is not a time limit on work: the beats come from a process beside each job
-    process (liveness.py), which the busy one's GIL does not hold up."""
+    process (comm/liveness.py), which the busy one's GIL does not hold up."""
     msgs = run(busy_at_start_up)
     assert sorted(msgs) == ["rank 0 finished", "rank 1 finished"], (msgs, capfd.readouterr().err)
 

@@ -21,7 +21,7 @@ RUN_TIMEOUT_S = 600
 
 
 def local_env() -> dict[str, str]:
-    """This environment without a launcher's or scheduler's seat: a local job."""
+    """This environment without a launcher's or scheduler's rank variables: a local job."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
 
 

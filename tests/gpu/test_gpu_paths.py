@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain import checkpoint, compute
+from scaletrain import checkpoint, compute, resume
 from scaletrain.compute import Emulated
 from scaletrain.config import load_config
 from scaletrain.metrics import DeviceTimer
@@ -102,11 +102,11 @@ def test_calibrated_copy_is_into_pinned_memory_as_the_push_is():
 def test_cuda_random_state_of_this_device_round_trips():
     dev = device()  # sets CUDA up, as a process training on its GPU has
     torch.cuda.manual_seed(1)
-    st = checkpoint.rng_state()
+    st = resume.rng_state()
     assert isinstance(st["cuda"], torch.Tensor)  # this device's state alone
     drawn = torch.rand(4, device=dev)
-    checkpoint.set_rng_state(st)
+    resume.set_rng_state(st)
     assert torch.equal(torch.rand(4, device=dev), drawn)
     # a checkpoint written before: a state for every GPU the chief saw, more than are visible here
-    checkpoint.set_rng_state({"torch": st["torch"], "cuda": [st["cuda"]] * (torch.cuda.device_count() + 3)})
+    resume.set_rng_state({"torch": st["torch"], "cuda": [st["cuda"]] * (torch.cuda.device_count() + 3)})
     assert torch.equal(torch.rand(4, device=dev), drawn)

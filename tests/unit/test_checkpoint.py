@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scaletrain import checkpoint
+from scaletrain import checkpoint, resume
 from scaletrain.checkpoint import CheckpointError
 from scaletrain.train import train
 
@@ -180,8 +180,8 @@ def test_node_count_may_change_on_resume_under_allreduce_only():
         return build_config({"cluster": {"nodes": nodes, "num_ps": int(strategy != "allreduce")},
                              "strategy": {"name": strategy}}).flat()
 
-    assert checkpoint.config_differences(flat("allreduce", 3), flat("allreduce", 2)) == []
-    assert checkpoint.config_differences(flat("sync", 3), flat("sync", 2)) == ["cluster.nodes"]
+    assert resume.config_differences(flat("allreduce", 3), flat("allreduce", 2)) == []
+    assert resume.config_differences(flat("sync", 3), flat("sync", 2)) == ["cluster.nodes"]
     with pytest.raises(CheckpointError, match=r"cluster.nodes \(3 -> 2\); a resume at another node count is "
                                               r"not defined for strategy.name = 'mixed-async'"):
-        checkpoint.check_config("ckpt-20.pt", flat("mixed-async", 3), flat("mixed-async", 2))
+        resume.check_config("ckpt-20.pt", flat("mixed-async", 3), flat("mixed-async", 2))

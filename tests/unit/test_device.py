@@ -129,10 +129,10 @@ def test_built_in_models_use_no_op_without_a_deterministic_cuda_kernel(name, siz
 def test_a_resumed_emulator_keeps_its_history_where_the_model_is(digits_cfg, strategy):
     """A checkpoint is read onto the CPU; the emulator's past versions and the round's summed
     gradients must go where the model is (a GPU: no CPU tensors mixed in). 'meta' stands for it."""
-    from scaletrain.dist import single
+    from scaletrain.comm.groups import single
     from scaletrain.optim import build_optimizer
     from scaletrain.schedule import from_config
-    from scaletrain.strategies import build_strategy
+    from scaletrain.strategies.build import build_strategy
 
     cfg = digits_cfg("strategy.emulate_workers=4", f"strategy.name={strategy}", "model.name=resnet8",
                      *(["strategy.delay_compensation=0.5"] if strategy == "async" else []))

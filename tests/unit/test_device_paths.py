@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain import checkpoint, compute, metrics
+from scaletrain import checkpoint, compute, metrics, resume
 from scaletrain.compute import Emulated, autocast_dtype, grads_to_none
 from scaletrain.config import load_config
 from scaletrain.metrics import pinned
@@ -158,15 +158,15 @@ def test_evaluation_autocasts_as_training_does(monkeypatch):
 def test_cuda_random_state_of_this_device_only():
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]  # a chief that saw 4 GPUs
     # a resumed process with 1 visible GPU (index 0) takes the first; restoring all 4 raised IndexError
-    assert checkpoint.cuda_rng_for(states, 0) is states[0]
-    assert checkpoint.cuda_rng_for(states, 3) is states[3]
-    assert checkpoint.cuda_rng_for(states[:1], 2) is None  # more GPUs here than the chief saw
-    assert checkpoint.cuda_rng_for(states[2], 5) is states[2]  # saved as one state: the chief's device's
+    assert resume.cuda_rng_for(states, 0) is states[0]
+    assert resume.cuda_rng_for(states, 3) is states[3]
+    assert resume.cuda_rng_for(states[:1], 2) is None  # more GPUs here than the chief saw
+    assert resume.cuda_rng_for(states[2], 5) is states[2]  # saved as one state: the chief's device's
     # a process on no GPU saves no CUDA state, and restores none from an old checkpoint of 4 GPUs
-    st = checkpoint.rng_state()
+    st = resume.rng_state()
     assert "cuda" not in st
     old = {"torch": st["torch"], "cuda": states}
-    checkpoint.set_rng_state(old)
+    resume.set_rng_state(old)
     drawn = torch.rand(2)
-    checkpoint.set_rng_state(old)
+    resume.set_rng_state(old)
     assert torch.equal(torch.rand(2), drawn) and not torch.cuda.is_initialized()

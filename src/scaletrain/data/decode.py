@@ -1,14 +1,14 @@
 """Encoded images to uint8 RGB pixels, at no more resolution than a crop needs.
 
 JPEGs go through simplejpeg (libjpeg-turbo, the same library Pillow wraps,
-with identical output): measured 1.4x Pillow's decode rate on 500x375
-photos, as it returns a NumPy array without Pillow's image object and copy.
-When the crop's side is at least twice the network input, libjpeg-turbo
-decodes at 1/2, 1/4 or 1/8 scale, doing that much less inverse-DCT work.
-Other formats, and JPEGs libjpeg-turbo warns about (then Pillow decides,
-as before), go through Pillow. The resize runs on torch's uint8 kernels (antialiased bilinear), 2.5x
-Pillow's on the same crop; images stay uint8, four times fewer bytes than
-float32, until the device normalises them in batches (loader.Prepare).
+with identical output), faster than Pillow: it returns a NumPy array without
+Pillow's image object and copy. When the crop's side is at least twice the
+network input, libjpeg-turbo decodes at 1/2, 1/4 or 1/8 scale, doing that
+much less inverse-DCT work. Other formats, and JPEGs libjpeg-turbo warns
+about (then Pillow decides, as before), go through Pillow. The resize runs on
+torch's uint8 kernels (antialiased bilinear), faster than Pillow's on the
+same crop; images stay uint8, four times fewer bytes than float32, until the
+device normalises them in batches (loader.Prepare).
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ JPEG_MAGIC = b"\xff\xd8"
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) from the header alone."""
     if data[:2] == JPEG_MAGIC:
-        import simplejpeg
-
+        import simplejpeg  # here: only image files need it; a broken install fails just the jobs reading them
         try:
             h, w, _, _ = simplejpeg.decode_jpeg_header(data)
             return w, h
         except ValueError:
             pass  # Pillow reads what libjpeg-turbo's header parser refuses, or fails naming why
-    from PIL import Image
+    from PIL import Image  # here: only image files need it; a broken install fails just the jobs reading them
 
     with Image.open(io.BytesIO(data)) as im:
         return im.size
@@ -42,15 +41,14 @@ def decode(data: bytes, min_size: tuple[int, int] = (0, 0)) -> np.ndarray:
     """HWC uint8 RGB, reduced by the largest power of two (at most 8) that keeps it at
     least `min_size` (width, height) for JPEGs; full size otherwise. Raises on corrupt data."""
     if data[:2] == JPEG_MAGIC:
-        import simplejpeg
-
+        import simplejpeg  # here: only image files need it; a broken install fails just the jobs reading them
         try:
             # strict: any libjpeg-turbo warning raises, rather than decoding grey blocks
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=min_size[0],
                                           min_height=min_size[1], strict=True)
         except ValueError:
             pass  # Pillow judges as it always has: benign warnings pass, a truncated stream raises
-    from PIL import Image
+    from PIL import Image  # here: only image files need it; a broken install fails just the jobs reading them
 
     with Image.open(io.BytesIO(data)) as im:
         if min_size[0] and im.format == "JPEG":

@@ -1,4 +1,4 @@
-"""Datasets: digits, synthetic, imagefolder, manifest (shards: shards.py).
+"""Datasets: digits, synthetic, imagefolder, manifest (shards: shards.py; a config's: build.py).
 
 Every dataset maps an index to (image, label): the encoded bytes of a file,
 or pixels already decoded (HWC uint8); `name(i)` says which file or sample
@@ -88,7 +88,7 @@ def to_pixels(x: torch.Tensor) -> torch.Tensor:
 
 def digits(size: int) -> tuple[TensorDataset, TensorDataset, list[str]]:
     """scikit-learn's 1,797 8x8 handwritten digits; fixed 80/20 split."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # heavy (scipy, a second of CPU): only the digits need it
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -189,7 +189,7 @@ def read_manifest(path: str, num_classes: int, classes: list[str] | None = None,
             what = f"label {lab!r}" + (f" (class index {y})" if named else "")
             raise DataError(f"{path} line {lineno}: {what} is outside [0, {num_classes}) "
                             f"(model.num_classes = {num_classes})")
-        full = os.path.join(base, p)  # p itself when absolute; a fifth of the time of Path's / a row
+        full = os.path.join(base, p)  # p itself when absolute; much cheaper a row than Path's /
         if check and not os.path.exists(full):
             raise DataError(f"{path} line {lineno}: image {full} does not exist")
         paths.append(full)
@@ -221,27 +221,6 @@ def file_lists(cfg, run_dir: Path | None = None, check: bool = True
     return train, test, classes
 
 
-def check_data(cfg, run_dir: Path | None = None) -> None:
-    """The DataError the job's processes would meet building cfg's datasets, raised here first: a
-    launcher checks before it makes the run directory or starts a process. Files are listed and
-    checked, not read; the built-in sets are not made. With run_dir, a manifest's check is recorded
-    there (file_lists), so that the job's chief does not make it again."""
-    d = cfg.data
-    if d.name == "digits":
-        _digits_fit(cfg.model.num_classes)
-    elif d.name == "shards":
-        from .shards import open_shards
-
-        open_shards(d.root, cfg.model.num_classes, d.shuffle_buffer)
-    elif d.name != "synthetic":
-        file_lists(cfg, run_dir)
-
-
-def _digits_fit(num_classes: int) -> None:
-    if num_classes < 10:
-        raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {num_classes} is too small")
-
-
 CHECKED = "logs/manifest-checked.json"  # in the run directory: the manifests whose files were all found
 
 
@@ -268,20 +247,3 @@ def _record(run_dir: Path, stamps: list) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"manifests": stamps}) + "\n")
     os.replace(tmp, path)  # a reader never sees half a record
-
-
-def build_datasets(cfg, run_dir: Path | None = None, check: bool = True
-                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
-    """(train, test, class names) for a Config; run_dir and check as for file_lists."""
-    d, n = cfg.data, cfg.model.num_classes
-    if d.name == "digits":
-        _digits_fit(n)
-        return digits(d.image_size)
-    if d.name == "synthetic":
-        return synthetic(d.image_size, n, d.synthetic_size)
-    if d.name == "shards":
-        from .shards import open_shards
-
-        return open_shards(d.root, n, d.shuffle_buffer)
-    train, test, classes = file_lists(cfg, run_dir, check)
-    return FileDataset(*train), FileDataset(*test), classes

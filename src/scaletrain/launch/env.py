@@ -1,8 +1,9 @@
 """Where this process sits in a job, read from the launcher's environment.
 
 Every launcher gives each process its place differently; all of them end in
-the same Seat (global rank in the plan, world size, rendezvous address, and
-a job id that names the rendezvous so one job never joins another's):
+the same Rendezvous (global rank in the plan, world size, the address and port
+where the processes meet, and a job id that names the rendezvous so one job
+never joins another's):
 
 - the local launcher: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, SCALETRAIN_JOB.
 - torchrun: LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE, MASTER_ADDR,
@@ -25,15 +26,18 @@ from dataclasses import dataclass
 from ..device import Facts, gpus_for_plan
 from ..errors import LaunchError
 from ..plan import PlanError, Plan, make_plan, node_name
+from ..strategies.traits import entry
 
 
 @dataclass(frozen=True)
-class Seat:
-    rank: int
-    world: int
-    addr: str
+class Rendezvous:
+    """This process's rank and where the job's processes meet, as its launcher gave them."""
+
+    rank: int      # global rank in the plan
+    world: int     # processes in the job
+    addr: str      # host of the rendezvous store (rank 0's, or torchrun's agent's)
     port: int
-    job: str
+    job: str       # the job's id: the store's keys live under it
     launcher: str  # "local" | "torchrun" | "slurm"
 
 
@@ -44,8 +48,6 @@ def plan_for(cfg, here: Facts | None = None, env=os.environ) -> Plan:
     starts them, `scaletrain doctor`), on the GPUs it has, every node of the plan on this host
     unless torchrun started this process or it runs in a Slurm allocation (a node each). Raises PlanError when the host cannot give
     what the config asks (device.resolve, plan.gpu_map)."""
-    from ..strategies import entry
-
     c = cfg.cluster
     if 0 < c.min_nodes < c.nodes and not entry(cfg).resizable:
         raise PlanError(f"cluster.min_nodes = {c.min_nodes} below cluster.nodes = {c.nodes}: a restart on fewer "
@@ -126,15 +128,16 @@ def _int(env, key: str) -> int:
                           "start distributed jobs with `scaletrain train`, torchrun or srun") from None
 
 
-def seat(plan: Plan, master_addr: str, master_port: int, node: int | None = None, env=os.environ) -> Seat:
-    """This process's seat in `plan`, from whichever launcher started it."""
+def rendezvous(plan: Plan, master_addr: str, master_port: int, node: int | None = None,
+               env=os.environ) -> Rendezvous:
+    """This process's rank in `plan` and the job's rendezvous, from whichever launcher started it."""
     if in_torchrun(env):
-        return _torchrun_seat(plan, node, env)
+        return _torchrun_rendezvous(plan, node, env)
     if in_slurm_step(env):
-        return _slurm_seat(plan, master_port, env)
+        return _slurm_rendezvous(plan, master_port, env)
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     _check_world(plan, world, "WORLD_SIZE")
-    return Seat(rank, world, env.get("MASTER_ADDR", master_addr), _int(env, "MASTER_PORT"),
+    return Rendezvous(rank, world, env.get("MASTER_ADDR", master_addr), _int(env, "MASTER_PORT"),
                 env.get("SCALETRAIN_JOB", "local"), "local")
 
 
@@ -144,7 +147,7 @@ def _check_world(plan: Plan, world: int, what: str) -> None:
                           "`scaletrain plan` shows how many each node runs")
 
 
-def _torchrun_seat(plan: Plan, node: int | None, env) -> Seat:
+def _torchrun_rendezvous(plan: Plan, node: int | None, env) -> Rendezvous:
     if node is None:
         if plan.nodes_total > 1:
             raise LaunchError("started by torchrun without --plan-node K: give each node's agent its node index "
@@ -158,11 +161,11 @@ def _torchrun_seat(plan: Plan, node: int | None, env) -> Seat:
         raise LaunchError(f"{node_name(node)} (--plan-node {node}) runs {len(here)} processes in the plan but torchrun "
                           f"started {local_world}: use --nproc-per-node={len(here)} there")
     _check_world(plan, _int(env, "WORLD_SIZE"), "torchrun's WORLD_SIZE")
-    return Seat(here[local].rank, plan.world_size, env["MASTER_ADDR"], _int(env, "MASTER_PORT"),
+    return Rendezvous(here[local].rank, plan.world_size, env["MASTER_ADDR"], _int(env, "MASTER_PORT"),
                 env["TORCHELASTIC_RUN_ID"], "torchrun")
 
 
-def _slurm_seat(plan: Plan, master_port: int, env) -> Seat:
+def _slurm_rendezvous(plan: Plan, master_port: int, env) -> Rendezvous:
     rank, world, node = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NODEID")
     _check_world(plan, world, "SLURM_NTASKS")
     want = plan.procs[rank].node
@@ -172,4 +175,4 @@ def _slurm_seat(plan: Plan, master_port: int, env) -> Seat:
     hosts = slurm_hosts(plan, env)
     job = env.get("SLURM_JOB_ID", "0")
     port = int(env.get("SCALETRAIN_PORT") or master_port or slurm_port(job))  # run_job's, where it started the step
-    return Seat(rank, world, hosts[0], port, f"slurm-{job}", "slurm")
+    return Rendezvous(rank, world, hosts[0], port, f"slurm-{job}", "slurm")

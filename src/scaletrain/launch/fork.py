@@ -4,9 +4,13 @@ Every job process imports torch, torch._dynamo (torch.optim imports it at an
 optimizer's first parameter group) and its data source's library (sklearn for
 the digits): seconds of CPU each. N processes doing that at once on a machine
 of few cores spend N times the CPU before they meet, and reach the rendezvous
-far apart. The starter (`python -m scaletrain.launch.fork RUN_DIR ...`)
-imports them once and forks every process of the job; their pages stay shared
-(copy on write) and a process is up in milliseconds.
+far apart. The starter (`python -m scaletrain.launch.starter RUN_DIR ...`,
+launch/starter.py) imports them once and forks every process of the job; their
+pages stay shared (copy on write) and a process is up in milliseconds. This
+module holds the launcher's side and die_with_parent, which every generation of
+processes calls (the job's processes, their beats, their loader processes); it
+imports nothing of the package. The starter's own program, which imports the
+job's code at its top, is launch/starter.py.
 
 Forking is safe here: the starter runs no Python thread and initialises no
 GPU (each process does, after the fork, as before); the BLAS libraries that
@@ -25,21 +29,15 @@ kills the launcher takes them all.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import warnings
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
-# What job processes import later on their own, imported once in the starter: torch._dynamo (torch.optim
-# imports it at an optimizer's first parameter group), the libraries the data sources read with
-# (sklearn for the digits).
-WARM = ("torch._dynamo", "sklearn.datasets", "PIL.Image", "simplejpeg")
 
 
 def die_with_parent(parent: int) -> None:
@@ -79,7 +77,7 @@ class Starter:
     def __init__(self, run_dir: Path, env: dict, setup) -> None:
         to_r, to_w = os.pipe()
         back_r, back_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "scaletrain.launch.fork", str(run_dir), str(to_r),
+        self.proc = subprocess.Popen([sys.executable, "-m", "scaletrain.launch.starter", str(run_dir), str(to_r),
                                       str(back_w)], env=env, pass_fds=(to_r, back_w), preexec_fn=setup)
         os.close(to_r)
         os.close(back_w)
@@ -117,62 +115,3 @@ class Starter:
         self.proc.wait()
         for p in self.procs:
             os.close(p.fd)
-
-
-def _child(spec: dict, starter: int) -> None:
-    """In a forked process: become the job process the spec describes; never returns."""
-    die_with_parent(starter)
-    if spec["log"]:
-        fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(spec["env"])
-    from .entry import exit_now, main
-
-    try:
-        rc = main(spec["argv"])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback to the log, status 1
-        import traceback
-
-        traceback.print_exc()
-        rc = 1
-    exit_now(rc)
-
-
-def serve(to: int, back: int) -> None:
-    """The starter: import, fork a process per spec read from `to`, report pids then statuses to `back`."""
-    from . import entry  # noqa: F401 - torch and the package
-
-    for name in WARM:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - missing or broken: a job that needs it fails in its own process, saying so
-            pass
-
-    # Python 3.12 warns of any fork in a process with threads; the starter's are the BLAS pools,
-    # which stop across a fork (the module doc).
-    warnings.filterwarnings("ignore", message=".*fork", category=DeprecationWarning)
-    me, started = os.getpid(), 0
-    with os.fdopen(to, "r") as lines:
-        for line in lines:
-            if line.strip() == "go":
-                break
-            spec = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                lines.close()
-                os.close(back)
-                _child(spec, me)
-            started += 1
-            os.write(back, f"{pid}\n".encode())
-    for _ in range(started):
-        pid, status = os.wait()
-        os.write(back, f"{pid} {os.waitstatus_to_exitcode(status)}\n".encode())
-
-
-if __name__ == "__main__":
-    serve(int(sys.argv[2]), int(sys.argv[3]))

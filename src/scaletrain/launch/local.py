@@ -2,26 +2,26 @@
 
 Emulated nodes are groups of processes; the rendezvous listens on loopback.
 Rank 0 (the chief) writes to this terminal, the others to RUN_DIR/logs/.
-The processes are forks of one process that imported torch once (fork.py).
+The processes are forks of one process that imported torch once (fork.py, starter.py).
 
 Failures: when a process fails, the others get cluster.timeout_s + 5 s to
 notice and exit on their own (their logs then name the lost rank), then are
-killed. A process that exits with dist.EXIT_PEER left because of another
+killed. A process that exits with errors.EXIT_PEER left because of another
 one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
 are frozen, and are killed at once (without a note, those still running a
 few seconds after the first such exit are taken for frozen). The launcher
 names the first process that failed or went silent, not one that left
 because of it, nor one it killed itself (rank 0 stays a moment after it
 leaves, serving the store, and may be killed then). A worker node the job
-may go on without (strategies.survivable) may end any way: the launcher waits
-for the chief's word (RUN_DIR/logs/dropped, see liveness.py), kills what of
+may go on without (strategies/traits.survivable) may end any way: the launcher waits
+for the chief's word (RUN_DIR/logs/dropped, see comm/liveness.py), kills what of
 it still runs, and the job's status is that of the others.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
-which checkpoint at an agreed step and exit (errors.EXIT_STOPPED, or 130); a
+which checkpoint at the next sync point and exit (errors.EXIT_STOPPED, or 130); a
 second one kills them at once. Each process holds them (blocked) from its
 start until its handlers are in place, so one sent during start-up is the same
-stop at the first agreed step, not a process killed half-started. Every
+stop at the first sync point, not a process killed half-started. Every
 process has the kernel's parent-death signal set to SIGKILL (toward its
 starter, and the starter toward the launcher): whatever kills the launcher,
 even kill -9, takes its processes with it.
@@ -38,14 +38,12 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ..device import facts
 from ..config import Config, dump_toml
-from ..dist import EXIT_PEER
-from ..errors import EXIT_STOPPED
+from ..device import facts
+from ..errors import EXIT_PEER, EXIT_STOPPED
 from ..metrics import LAUNCHED, start_up
-from ..plan import Plan
-from .. import strategies
-from ..plan import node_name
+from ..plan import Plan, node_name
+from ..strategies import traits
 from .env import LaunchError, plan_for
 from .fork import Forked, Starter, die_with_parent
 
@@ -84,7 +82,7 @@ def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
 def _child_setup(held: list[int], launcher: int) -> None:
     """In the process starter, before exec: the kernel kills it when the launcher dies, however it
     dies; and the stop signals are held (blocked, so they wait pending) in it and in every process it
-    forks until the process has its handlers (dist.catch_stop_signals): one forwarded while a process
+    forks until the process has its handlers (comm.end.catch_stop_signals): one forwarded while a process
     still meets the others would kill it, and the launcher would take that for a failure."""
     die_with_parent(launcher)
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
@@ -137,7 +135,7 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
         procs = starter.start(specs)
         say(f"{len(procs)}/{plan.world_size} processes up")
         return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
-                      lambda lost: strategies.survivable(cfg, plan, lost))
+                      lambda lost: traits.survivable(cfg, plan, lost))
     finally:
         starter.close()
 
@@ -152,7 +150,7 @@ class _Forward:
     def __call__(self, signum, frame) -> None:
         if self.signal is None:
             self.signal = signum
-            print(f"scaletrain: {signal.Signals(signum).name}: every process checkpoints at the next agreed step "
+            print(f"scaletrain: {signal.Signals(signum).name}: every process checkpoints at the next sync point "
                   "and stops (send it again to stop at once)", file=sys.stderr, flush=True)
             _stop(self.procs, signum)
         else:
@@ -193,7 +191,7 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
                 rc = p.poll()
                 if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in killed.union(frozen, dropped, spared):
                     continue
-                if failed is None and survivable(set(dropped + spared + strategies.lost_with(plan, rank))):
+                if failed is None and survivable(set(dropped + spared + traits.lost_with(plan, rank))):
                     spared.append(rank)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job may go on without "
                           f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
@@ -238,7 +236,7 @@ def write_failure(run_dir: Path, plan: Plan, rank: int, what: str, host: str | N
 
 def read_ranks(run_dir: Path, name: str) -> list[int]:
     """Ranks listed in RUN_DIR/logs/NAME: those a process that exited with EXIT_PEER left
-    because of (rankR.lost, dist.write_note), or those the job went on without (dropped)."""
+    because of (rankR.lost, comm.liveness.write_note), or those the job went on without (dropped)."""
     try:
         return [int(r) for r in (run_dir / "logs" / name).read_text().split(",") if r.strip()]
     except (OSError, ValueError):

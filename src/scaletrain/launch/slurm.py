@@ -67,12 +67,12 @@ import sys
 import time
 from pathlib import Path
 
-from .. import strategies
 from ..config import Config, dump_toml
 from ..device import SETUP_DONE
 from ..errors import EXIT_STOPPED
 from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
+from ..strategies import traits
 from . import cpus, fabric
 from .env import LaunchError, allocation_hosts, het_groups, plan_for, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
@@ -193,8 +193,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
           f"rendezvous {hosts[0]}:{port}; threads by rank {','.join(map(str, threads))}", flush=True)
     name = f"scaletrain-{job}-{os.getpid()}"  # how the signal forwarder finds this step
     # After a task ends, srun waits that long for the others: the heartbeats' bound, or for ever in a
-    # job that goes on without a lost worker node (its processes end on their own; liveness.py).
-    tolerant = strategies.tolerant(cfg)
+    # job that goes on without a lost worker node (its processes end on their own; comm/liveness.py).
+    tolerant = traits.tolerant(cfg)
     cmd = ["srun", f"--job-name={name}", "--kill-on-bad-exit=0", f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}"]
     het = len(het_groups(os.environ)) > 1
     cmd += step_layout(plan, cfg, het)
@@ -292,7 +292,7 @@ def step_layout(plan, cfg, het: bool) -> list[str]:
 
 def _name_culprit(run_dir: Path, plan) -> None:
     """logs/failure.json for run.py: the process most of the others left because of (their
-    rankR.lost notes, dist.write_note), with the host it ran on."""
+    rankR.lost notes, comm.liveness.write_note), with the host it ran on."""
     named = [r for note in (run_dir / "logs").glob("rank*.lost") for r in read_ranks(run_dir, note.name)]
     if not named:
         return

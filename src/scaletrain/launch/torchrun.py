@@ -2,7 +2,7 @@
 
 Every agent gets the plan's process count for its node (they may differ:
 a PS alongside adds one) and `--plan-node K`, from which its processes take their
-seat: under the c10d rendezvous torchrun numbers agents in the order they
+ranks in the plan: under the c10d rendezvous torchrun numbers agents in the order they
 join, so its GROUP_RANK cannot say which node of the plan an agent is.
 The rendezvous id is new for each set of commands, so two jobs never meet.
 """

@@ -6,10 +6,11 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
-from ..checkpoint import CheckpointError, read
-from ..errors import PretrainedError
+from ..checkpoint import read
+from ..errors import CheckpointError, PretrainedError
 from .resnet import ResNet, resnet
 
 __all__ = ["ResNet", "build_model", "load_pretrained", "PretrainedError", "HEAD_PREFIX"]
@@ -30,8 +31,6 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise PretrainedError(f"model.init_from: {path} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         try:
             return load_file(str(path))
         except Exception:  # noqa: BLE001 - the library's text names no file

@@ -17,20 +17,20 @@ gradient = shard version when applied - version it was computed on.
   is first corrected by lambda * g * g * (w_now - w_then), w_then the values
   last sent to its pusher, which the shard keeps for each pusher.
 
-Agreed points (evaluation, checkpoint, the target, a request): the update
-that brings the images to a point starts a hold. Nothing more is applied
-until every active pusher has been answered and the chief is back (its next
-push, or its STOP): a push computed before the point is dropped and answered
-with the point's values, flagged HOLD, so all pushers leave with the same
-values; a push computed on them waits, unread, for the hold's end. The hold
-is the workers' barrier: the chief evaluates and takes the shards' state
+Sync points (evaluation, checkpoint, the target, a request; schedule.py): the
+update that brings the images to a point starts the shard's sync. Nothing more
+is applied until every active pusher has been answered and the chief is back
+(its next push, or its STOP): a push computed before the point is dropped and
+answered with the point's values, flagged SYNC, so all pushers leave with the
+same values; a push computed on them waits, unread, for the sync's end. The
+sync is the workers' barrier: the chief evaluates and takes the shards' state
 while it lasts, and a lost pusher cannot block it (LOST). Every shard sees
 every push, so all shards reach the point at the same count. Once the target
 is reached, every push is answered DONE and applies nothing: the job stops at
 the same images whatever the strategy, and stragglers stop at their next push.
 
-A lost pusher (LOST, from the chief; see liveness.py) leaves `active`: no update
-or hold waits for it any more. An exchange with a pusher that failed because
+A lost pusher (LOST, from the chief; see comm/liveness.py) leaves `active`: no
+update or sync waits for it any more. An exchange with a pusher that failed because
 it died is skipped; the heartbeats decide whether the job goes on without it.
 
 A SNAPSHOT request (from the chief, at a checkpoint) is answered at once
@@ -46,17 +46,20 @@ from pathlib import Path
 
 import torch
 
-
-from .. import dist
-from ..checkpoint import CheckpointError
+from .. import checkpoint, schedule
+from ..comm import p2p
+from ..comm.liveness import HEARTBEAT_S, STALE_S
+from ..data import build_datasets
+from ..errors import CheckpointError
 from ..models import build_model
 from ..optim import build_optimizer, compensate, lr_at, staleness_scale, state_keys
 from ..schedule import Schedule
+from ..stats import HIST_BINS
+from ..strategies import traits
 from . import protocol as P
 from .sharding import gather, make_layout
 
 log = logging.getLogger("scaletrain")
-HIST_BINS = 64  # staleness histogram: bins 0..62, the last holds 63 and above
 
 
 class Shard:
@@ -70,7 +73,7 @@ class Shard:
         self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
         self.push_images, self.update_images = push_images, update_images
         self.pushers, self.active, self.lost, self.ctx = list(pushers), set(pushers), set(), ctx
-        self.chief = pushers[0]  # the chief's node pusher: the hold of a point ends when it is back
+        self.chief = pushers[0]  # the chief's node pusher: the sync of a point ends when it is back
         self.version = self.images = 0
         self.hist = torch.zeros(HIST_BINS, dtype=torch.int64)
         self.stale_max, self.dropped, self.applied = 0, 0, 0
@@ -87,13 +90,13 @@ class Shard:
         # (by gloo's threads) while this one is applied. Memory: two gradients of the shard's size.
         self.inbox = wire or self.values.dtype
         self.spare = [torch.empty(self.values.shape, dtype=self.inbox) for _ in range(2)]
-        self.ahead = None  # the next message's header, asked for before it is needed (a Work)
-        self.ahead_body = None  # the body of that message, when it is a push: (buffer, Work)
+        self.ahead = None  # the next message's header, asked for before it is needed (its work, comm/p2p.py)
+        self.ahead_body = None  # the body of that message, when it is a push: (buffer, work)
         self.hdr = torch.zeros(P.HEADER, dtype=torch.int64)
         self.abandoned: list = []  # receives posted for a pusher lost since: never reused or freed
-        self.holding, self.answered, self.pulls = False, set(), []  # an agreed point, see the module doc
-        self.waiting: list[tuple[int, int, int]] = []  # pushes (src, version, requests) held to the hold's end
-        self.asked = 0  # requests pushers hold: the next update is an agreed point
+        self.syncing, self.answered, self.pulls = False, set(), []  # at a sync point, see the module doc
+        self.waiting: list[tuple[int, int, int]] = []  # pushes (src, version, requests) that wait for the sync's end
+        self.asked = 0  # requests pushers sent: the next update is a sync point
         self.point_asked = 0  # the requests of the current point
         self.stopped = 0  # the signal that stopped the job before its end (-1: unknown), see protocol.py
         self.over = False  # the chief stopped (a target accuracy or loss reached): every push is DONE
@@ -114,14 +117,14 @@ class Shard:
             work, early = self.ahead or self._ask_header(), self.ahead_body
             self.ahead = self.ahead_body = None
             try:
-                dist.wait(work)  # point-to-point from any pusher; blocks, untimed
+                p2p.wait(work)  # point-to-point from any pusher; blocks, untimed
             except RuntimeError as e:  # a pusher died while its message was on its way
                 failures += 1
                 if failures > 3 or not self._gone(None, e):
                     raise
                 continue
             failures = 0
-            src, (version, command, flag) = dist.source(work), self.hdr.tolist()
+            src, (version, command, flag) = p2p.source(work), self.hdr.tolist()
             self.bytes_recv += P.HEADER * 8
             if command == P.LOST:
                 self._drop(version)
@@ -136,51 +139,51 @@ class Shard:
             elif command == P.SNAPSHOT:
                 self._send_state(src)
             elif command == P.PULL:  # another shard announced a point: answer once this one is there too
-                if self.holding or self.done:
+                if self.syncing or self.done:
                     self._reply([src])
                 else:
                     self.pulls.append(src)
-            elif self.holding and src in self.answered:  # computed on the point's values: after the hold
+            elif self.syncing and src in self.answered:  # computed on the point's values: after the sync
                 self.waiting.append((src, version, flag, early))
                 self._release()
             else:
                 self._receive(src, version, flag, early)
 
     def _ask_header(self):
-        return dist.irecv(self.hdr, tag=P.TAG_HDR)  # from any pusher
+        return p2p.irecv(self.hdr, tag=P.TAG_HDR)  # from any pusher
 
     def _receive(self, src: int, version: int, requests: int, early=None) -> None:
         """The gradient of a push from `src` (`early`: already asked for, see _look_ahead), then its update."""
         buf, work = early or self._ask_body(src)
         try:
-            if not self._talk(src, lambda: dist.wait(work)):
+            if not self._talk(src, lambda: p2p.wait(work)):
                 return
             self.bytes_recv += buf.numel() * buf.element_size()
-            if not (self.holding or self.done):
+            if not (self.syncing or self.done):
                 self.asked |= requests
             self._look_ahead()
             self._push(src, version, buf if self.grad is None else self.grad.copy_(buf))
         finally:
-            if len(self.spare) < 2:  # more were made only while a hold's pushes were taken
+            if len(self.spare) < 2:  # more were made only while a sync's waiting pushes were taken
                 self.spare.append(buf)
 
     def _ask_body(self, src: int):
         buf = self.spare.pop() if self.spare else torch.empty(self.values.shape, dtype=self.inbox)
-        return buf, dist.irecv(buf, src=src, tag=P.TAG_VALS)  # gloo's threads receive it from now on
+        return buf, p2p.irecv(buf, src=src, tag=P.TAG_VALS)  # gloo's threads receive it from now on
 
     def _look_ahead(self) -> None:
         """Once a gradient is in, before working on it: ask for the next message; when it is already here
         and is a push, ask for its gradient too, so that gloo receives it while this process adds or
         applies the current one. The loop then takes that message as it would have received it. Not
-        before the current gradient is in: two gradients arriving at once were no faster on a 2-core
-        host, and with 4 shards read 0.16 s a cycle against 0.14 (two runs each, which spread by 15%)."""
+        before the current gradient is in: two gradients received at once share the host's cores and
+        link, and were no faster than one after the other."""
         if self.ahead is None:
             self.ahead = self._ask_header()
         if self.ahead_body is not None or not self.spare or not self.ahead.is_completed() or \
                 not self.ahead.is_success():
             return
-        src, command = dist.source(self.ahead), int(self.hdr[1])
-        if command == P.PUSH and src in self.active and not (self.holding and src in self.answered):
+        src, command = p2p.source(self.ahead), int(self.hdr[1])
+        if command == P.PUSH and src in self.active and not (self.syncing and src in self.answered):
             self.ahead_body = self._ask_body(src)
 
     def _abandon(self, early) -> None:
@@ -221,12 +224,12 @@ class Shard:
         ctx = self.ctx
         if ctx is None or not ctx.tolerant:
             return False
-        deadline = time.monotonic() + dist.STALE_S + 2
+        deadline = time.monotonic() + STALE_S + 2
         while time.monotonic() < deadline:
             gone = [r for r in ctx.gone + ctx.dropped if r in self.pushers and (peer is None or r == peer)]
             if gone:
                 break
-            time.sleep(dist.HEARTBEAT_S)
+            time.sleep(HEARTBEAT_S)
         if not gone or not ctx.tolerate(gone):
             return False
         log.warning("PS shard %d: %s is gone (%s)", self.index, ", ".join(map(self._name, gone)),
@@ -237,7 +240,7 @@ class Shard:
         return self.ctx.describe(rank) if self.ctx else f"rank {rank}"
 
     def _push(self, src: int, version: int, grad: torch.Tensor) -> None:
-        if self.holding or self.done:  # computed before the point: not applied
+        if self.syncing or self.done:  # computed before the point: not applied
             self.dropped += 1
             self._reply([src])
         elif self.mode == "async":
@@ -279,7 +282,7 @@ class Shard:
         self.applied += 1
         before, self.images = self.images, self.images + images
         if self.images >= s.next_point(before) or self.asked:
-            self.holding, self.answered, self.point_asked, self.asked = True, set(), self.asked, 0
+            self.syncing, self.answered, self.point_asked, self.asked = True, set(), self.asked, 0
             pulls, self.pulls = self.pulls, []
             self._reply(pulls)
 
@@ -293,31 +296,31 @@ class Shard:
         vals = self.values.detach()
         if self.wire is not None:  # a pusher computes on these rounded values
             vals = self.wire.copy_(vals)
-        flags = (P.HOLD | self.point_asked << P.ASKED if self.holding or self.done else 0) | \
+        flags = (P.SYNC | self.point_asked << P.ASKED if self.syncing or self.done else 0) | \
             (P.DONE if self.done else 0)
         hdr = P.header(self.version, flags, self.images)
 
         def answer(dst: int) -> None:
             # The pusher posted its receives before pushing, so these do not wait on it.
-            dist.send(hdr, dst=dst, tag=P.TAG_REPLY_HDR)
-            dist.send(vals, dst=dst, tag=P.TAG_REPLY_VALS)
+            p2p.send(hdr, dst=dst, tag=P.TAG_REPLY_HDR)
+            p2p.send(vals, dst=dst, tag=P.TAG_REPLY_VALS)
 
         for dst in dsts:
             if dst not in self.lost and self._talk(dst, lambda: answer(dst)):
                 self.bytes_sent += P.HEADER * 8 + vals.numel() * vals.element_size()
                 if dst in self.sent:
                     self.sent[dst].copy_(vals)
-        if self.holding:
+        if self.syncing:
             self.answered.update(dsts)
             self._release()
 
     def _release(self) -> None:
-        """The hold ends once every active pusher has the point's values and the chief is back;
+        """The sync ends once every active pusher has the point's values and the chief is back;
         then the pushes that waited for it are taken in the order they came."""
         back = self.chief not in self.active or any(w[0] == self.chief for w in self.waiting)
-        if not (self.holding and self.answered >= self.active and back):
+        if not (self.syncing and self.answered >= self.active and back):
             return
-        self.holding = False
+        self.syncing = False
         waiting, self.waiting = self.waiting, []
         for src, version, requests, early in waiting:
             if src in self.active:
@@ -333,9 +336,9 @@ class Shard:
     def _send_state(self, dst: int) -> None:
         # Checkpoint traffic: not counted in the per-step bytes.
         tensors = self.state()
-        dist.send(P.header(self.version, len(tensors) - 1, self.images), dst=dst, tag=P.TAG_SNAP)
+        p2p.send(P.header(self.version, len(tensors) - 1, self.images), dst=dst, tag=P.TAG_SNAP)
         for t in tensors:
-            dist.send(t, dst=dst, tag=P.TAG_SNAP)
+            p2p.send(t, dst=dst, tag=P.TAG_SNAP)
 
     def load(self, saved: dict) -> None:
         """Continue from a snapshot of this shard (see PSClient.snapshot)."""
@@ -355,18 +358,14 @@ class Shard:
 
 def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
     """Be PS shard `ctx.me.index` until every pusher has stopped; returns its figures."""
-    from .. import checkpoint, schedule, strategies
-
-    e = strategies.entry(cfg)
-    pushers = strategies.pushers(cfg, ctx.plan)
+    e = traits.entry(cfg)
+    pushers = traits.pushers(cfg, ctx.plan)
     train_images = 0
     if not cfg.train.steps:  # the run's length comes from the epoch size; only then is the data read
-        from ..data import build_datasets
-
         train_images = len(build_datasets(cfg, check=False)[0])  # its files: the workers' to read
-    shard = Shard(cfg, ctx.me.index, pushers, e.server, strategies.wait_for(cfg, len(pushers)),
-                  schedule.from_config(cfg, train_images), strategies.push_images(cfg),
-                  strategies.images_per_update(cfg), ctx)
+    shard = Shard(cfg, ctx.me.index, pushers, e.server, traits.wait_for(cfg, len(pushers)),
+                  schedule.from_config(cfg, train_images), traits.push_images(cfg),
+                  traits.images_per_update(cfg), ctx)
     found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
     if found is not None:  # the workers load the same file and check its config
         state, path = found

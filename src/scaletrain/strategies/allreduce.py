@@ -10,7 +10,7 @@ hooks to fire, and `step` averages every gradient in one flat all-reduce instead
 Whether any replica holds a request (a stop signal, a timed checkpoint) travels in
 a one-element all-reduce started at the end of a step and read at the next: it
 overlaps that step's compute and costs no host-device sync, and every replica makes
-the same step its agreed point, one step after the request came.
+the same step its sync point, one step after the request came.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class AllReduce(Strategy):
         self.group = self.ctx.workers_group  # None when this is the only replica
         self.ddp: DistributedDataParallel | None = None
         self.flag = torch.zeros(1)  # on the host: reading it syncs no device
-        self.asking = None  # the flag's all-reduce in flight (a torch.distributed Work)
+        self.asking = None  # the flag's all-reduce in flight (its work, comm/p2p.py)
 
     def wrap(self) -> torch.nn.Module:
         if self.group is None:
@@ -135,8 +135,8 @@ class AllReduce(Strategy):
         self.counters.steps += 1
         tick = self.advance(self.schedule.step_images, asked)
         if self.group is not None and not tick.stop:
-            # Not at an agreed point: it acts on the agreed requests; one left after it goes next step.
-            self.flag.fill_(float(bool(self.ctx.requests) and not tick.hold))
+            # Not at a sync point: it acts on the requests; one left after it goes next step.
+            self.flag.fill_(float(bool(self.ctx.requests) and not tick.synced))
             self.asking = dist.all_reduce(self.flag, group=self.ctx.workers_cpu_group, async_op=True)  # collective
         return tick
 

@@ -18,7 +18,7 @@ it has computed K gradients since the round started (K = 1: every update
 averages one gradient per replica, exactly one update stale).
 
 A round also carries whether any replica holds a request (a stop signal, a
-timed checkpoint): its update is then an agreed point, and no round starts
+timed checkpoint): its update is then a sync point, and no round starts
 until every replica has met there. Gradients summed but not yet sent at a
 checkpoint are not in it: a resumed run starts with empty sums.
 """
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
-from ..ps.server import HIST_BINS
+from ..stats import HIST_BINS
 from .base import Strategy, Tick
 
 
@@ -40,14 +40,14 @@ class AsyncAllReduce(Strategy):
         self.version = 0      # updates applied
         self.summed: list[int] = []    # the versions the gradients in the local sum were computed on
         self.sending: list[int] = []   # those of the round in flight
-        self.round = None     # the in-flight all-reduce (a torch.distributed Work)
+        self.round = None     # the in-flight all-reduce (its work, comm/p2p.py)
         self.stale_hist = torch.zeros(HIST_BINS, dtype=torch.long)   # this replica's gradients, by staleness
         self.update_hist = torch.zeros(HIST_BINS, dtype=torch.long)  # the job's updates, by gradients averaged
 
     def step(self, lr: float) -> Tick:
         grads = self.grads()
         total = self.buffer("sum", self.numel, grads[0].dtype, grads[0].device)
-        if self.round is None and self.summed:  # summed before an agreed point, where no round starts
+        if self.round is None and self.summed:  # summed before a sync point, where no round starts
             self._start_round(total)
         flat = self.buffer("flat", self.numel, total.dtype, total.device) if self.summed else total
         torch.cat([g.reshape(-1) for g in grads], out=flat)  # the first since the last round goes in as is
@@ -62,7 +62,7 @@ class AsyncAllReduce(Strategy):
         bound = self.cfg.strategy.async_bound
         if self.round is not None and (self.round.is_completed() or (bound and len(self.summed) >= bound)):
             tick = self._finish_round(lr)
-        if self.round is None and not tick.hold:
+        if self.round is None and not tick.synced:
             self._start_round(total)
         return tick
 

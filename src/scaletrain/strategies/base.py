@@ -3,10 +3,10 @@
 A strategy wraps the replica's model and optimizer. The train loop runs
 forward and backward, then calls `step(lr)`; when it returns, the replica's
 parameters hold the values to compute the next batch on, and the Tick says
-how far the job has come (images applied, schedule.py), whether this is an
-agreed point (every worker now holds the same values and meets the others)
-and whether the job's target is reached. The loop never asks which strategy
-it runs.
+how far the job has come (images applied, schedule.py), whether this step is
+a sync point (every worker now holds the same values and meets the others;
+schedule.py) and whether the job's target is reached. The loop never asks
+which strategy it runs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist import Context
+from ..comm.groups import Context
 from ..metrics import DeviceTimer
 from ..ps.protocol import WIRE
 from ..schedule import Schedule
@@ -25,9 +25,9 @@ from ..schedule import Schedule
 @dataclass(frozen=True)
 class Tick:
     images: int   # images the job has applied so far, as this process knows it
-    hold: bool    # an agreed point: every worker holds the same values now
+    synced: bool  # a sync point: every worker holds the same values now
     stop: bool    # the job's target is reached
-    asked: int = 0  # at a point the shards agreed (PS): the requests it was asked with (dist.CHECKPOINT, STOP)
+    asked: int = 0  # at a sync point the shards made (PS): the requests it was asked with (liveness.CHECKPOINT, STOP)
 
 
 class Counters:
@@ -80,8 +80,8 @@ class Strategy:
 
     def advance(self, images: int, asked: bool | None = None) -> Tick:
         """Progress of a strategy whose replicas all apply every update (all-reduce, one process).
-        asked: whether any replica holds a request (dist.CHECKPOINT, STOP), which makes this step an
-        agreed point; None means this process's own requests (one process)."""
+        asked: whether any replica holds a request (liveness.CHECKPOINT, STOP), which makes this step a
+        sync point; None means this process's own requests (one process)."""
         asked = bool(self.ctx.requests) if asked is None else asked
         before, self.images = self.images, self.images + images
         return Tick(self.images, asked or self.images >= self.schedule.next_point(before),
@@ -118,8 +118,8 @@ class Strategy:
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = False) -> torch.Tensor:
         """A flat tensor of `numel` elements kept for the next step's same use (`name`). A fresh
-        one every step costs its first-touch page faults: 20 ms for a 45 MB gradient on a CPU
-        host, more than moving it through loopback. pin: in page-locked host memory, which a
+        one every step costs its first-touch page faults, a fault per 4 KB page: for a gradient of
+        tens of MB, more than moving it through loopback. pin: in page-locked host memory, which a
         GPU copies to and from without a staging copy and without blocking the host."""
         buf = self._buffers.get(name)
         if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:

@@ -7,7 +7,7 @@ and the job's progress, and shares both inside the node. What the shard does wit
 (wait for all nodes, for the first N-b, or apply at once) is the server's
 mode; this side is the same for all four.
 
-When the chief declares a worker node lost (liveness.py), its heartbeat thread
+When the chief declares a worker node lost (comm/liveness.py), its heartbeat thread
 tells every shard (LOST, `_announce`): the message that wakes a shard waiting
 for nobody but the lost. It is a second thread sending to the shards beside
 the main one; gloo's pairs take sends from several threads, and the shard
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
-from .. import dist as sdist
-from ..checkpoint import CheckpointError
+from ..comm import p2p
+from ..errors import CheckpointError
 from ..optim import state_keys
 from ..ps import protocol as P
 from ..ps.sharding import gather, make_layout, scatter_
@@ -87,7 +87,7 @@ class PSClient(Strategy):
         self.counters.steps += 1
         images, flags = info.tolist()  # host-device sync on GPU: the Tick is the host's (a replica that is
         # not the pusher waits here for the leader's broadcast; its events count that wait in intra_s)
-        return Tick(images, bool(flags & P.HOLD), bool(flags & P.DONE), flags >> P.ASKED)
+        return Tick(images, bool(flags & P.SYNC), bool(flags & P.DONE), flags >> P.ASKED)
 
     def _flat(self, name: str) -> torch.Tensor:
         """A buffer for all the parameters (or gradients) end to end."""
@@ -112,7 +112,7 @@ class PSClient(Strategy):
                 works.append(dist.isend(payload, dst=server, tag=P.TAG_VALS))
                 self.counters.bytes_sent += payload.numel() * payload.element_size()
         for w in works:
-            sdist.wait(w)  # point-to-point; returns when the shard has answered (liveness is the heartbeats')
+            p2p.wait(w)  # point-to-point; returns when the shard has answered (liveness is the heartbeats')
         for k, hdr, vals in replies:
             self.versions[k] = int(hdr[0])
             self.counters.bytes_recv += P.HEADER * 8 + vals.numel() * vals.element_size()
@@ -123,16 +123,16 @@ class PSClient(Strategy):
         return [hdr for _, hdr, _ in replies]
 
     def _push_pull(self, grads: list[torch.Tensor]) -> tuple[int, int]:
-        """Push to every shard; returns (images applied, flags). When some shard announced an
-        agreed point and another answered before reaching it, PULL that one's point values,
+        """Push to every shard; returns (images applied, flags). When some shard announced a
+        sync point and another answered before reaching it, PULL that one's values of the point,
         so this node leaves the point with every shard's values of it."""
-        asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards hold at the next update
+        asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards' next update is a sync point
         payloads = [self._payload(grads, k) for k in range(len(self.servers))]
         if self.on_gpu:
             torch.cuda.current_stream().synchronize()  # host-device sync: the payloads' copies, once a step
         hdrs = self._exchange([(k, P.header(self.versions[k], P.PUSH, asked), payloads[k])
                                for k in range(len(self.servers))])
-        behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.HOLD]
+        behind = [k for k, h in enumerate(hdrs) if not int(h[1]) & P.SYNC]
         if len(behind) < len(hdrs):
             for k, h in zip(behind, self._exchange([(k, P.header(0, P.PULL), None) for k in behind])):
                 hdrs[k] = h
@@ -149,17 +149,17 @@ class PSClient(Strategy):
         return host.copy_(flat, non_blocking=True)
 
     def snapshot(self) -> dict:
-        """Every shard's version, values, images and optimizer state. Asked at an
-        agreed point, while every other worker waits for the chief: each shard holds
+        """Every shard's version, values, images and optimizer state. Asked at a
+        sync point, while every other worker waits for the chief: each shard holds
         the point's values, which every worker has too."""
         keys, shards = state_keys(self.cfg.optim), []
         for k, server in enumerate(self.servers):
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
-            sdist.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
-            sdist.recv(hdr, src=server, tag=P.TAG_SNAP)
+            p2p.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
+            p2p.recv(hdr, src=server, tag=P.TAG_SNAP)
             tensors = [torch.empty(self.layout.numel(k)) for _ in range(1 + int(hdr[1]))]
             for t in tensors:
-                sdist.recv(t, src=server, tag=P.TAG_SNAP)
+                p2p.recv(t, src=server, tag=P.TAG_SNAP)
             shards.append({"version": int(hdr[0]), "images": int(hdr[2]), "values": tensors[0],
                            "optimizer": dict(zip(keys, tensors[1:]))})
         return {"ps": shards}
@@ -176,4 +176,4 @@ class PSClient(Strategy):
     def finish(self, stopped: int = 0) -> None:
         if self.pusher:
             for server in self.servers:
-                sdist.send(P.header(0, P.STOP, stopped), dst=server, tag=P.TAG_HDR)
+                p2p.send(P.header(0, P.STOP, stopped), dst=server, tag=P.TAG_HDR)

@@ -2,7 +2,7 @@
 
 Liveness is not a time limit on work. Collectives and receives wait as long
 as a healthy peer needs (an evaluation, a checkpoint to a slow file system,
-a data scan; dist.OPERATION_TIMEOUT). Every process, once it reaches the
+a data scan; p2p.OPERATION_TIMEOUT). Every process, once it reaches the
 rendezvous store, forks a small process, its beat, which increments the
 counter `hb/RANK` there every HEARTBEAT_S while the process lives and is not
 stopped (frozen). The beat needs none of the process's CPU time or GIL: a
@@ -13,19 +13,20 @@ peer whose counter has not moved for STALE_S + cluster.timeout_s of the
 reader's own clock is dead or frozen, and the reader exits naming it, so no
 process waits forever on a lost one. Before, the start-up's own timeout
 bounds the wait, and a start-up that fails names the processes that never
-joined or stopped beating (dist.init). Counters, not timestamps: the hosts'
+joined or stopped beating (groups.init). Counters, not timestamps: the hosts'
 clocks are never compared. A process that fails says so in the store
-(`failed/RANK`, dist.abort): its peers exit at once, naming it, instead of
+(`failed/RANK`, end.abort): its peers exit at once, naming it, instead of
 waiting out the timeout.
 
 Requests: a stop signal (cluster.stop_signals, Ctrl-C) sets bits in
 `Context.requests` of the process that got it; the heartbeat thread puts a
 stop in the store (`stop`) and copies one found there into its own process,
 so a signal sent to any one process reaches all of them within a heartbeat
-or two. The strategies carry the bits to an agreed step (train.py).
+or two. The strategies carry the bits to the next sync point (schedule.py),
+where every process acts on the same (train.py).
 
 A lost worker node the strategy trains on without (`Context.tolerate`,
-strategies.survivable: asynchronous PS modes, never the chief's node) is
+strategies/traits.survivable: asynchronous PS modes, never the chief's node) is
 dropped instead of ending the job. Only the chief declares: once such ranks
 were silent for cluster.timeout_s, its heartbeat thread tells the shards
 (`Context.on_drop`), then lists them in the store (`lost`) and in
@@ -33,8 +34,8 @@ RUN_DIR/logs/dropped (for the launcher, which kills them if still there).
 Every heartbeat thread reads the list into `Context.dropped` and stops
 waiting for those ranks; a process that finds itself there (frozen, then
 woken) exits. No collective joins the workers of such a job after start-up
-(`Context.tolerant`): its points meet at the shards, and its end meets in the
-store (dist.store_gather, dist.finish), where a dropped rank is not waited for.
+(`Context.tolerant`): its sync points meet at the shards, and its end meets in
+the store (end.store_gather, end.finish), where a dropped rank is not waited for.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ import time
 
 import torch.distributed as dist
 
-from .launch.fork import die_with_parent
+from ..errors import EXIT_PEER
+from ..launch.fork import die_with_parent
 
 HEARTBEAT_S = 0.5
 STALE_S = 3.0  # a counter still this long marks its rank as missing
-CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next agreed step; stop there after it
-EXIT_PEER = 3  # exit status of a process that left because a peer failed or went silent
+CHECKPOINT, STOP = 1, 2  # request bits: checkpoint at the next sync point; stop there after it
 
 
 def default_store():

@@ -1,16 +1,21 @@
-"""Process groups, liveness and failure reports. Nothing happens at import time.
+"""Joining a job: the rendezvous, the process groups, and the Context every process carries.
 
-Every process joins one gloo world (PS traffic and small collectives on CPU
-tensors), then makes the same subgroups in the same order: one per worker
-node (the replicas that average inside the node; NCCL on GPUs) and one of all
-workers (all-reduce).
+Every process of a job meets the others at the rendezvous (a TCPStore that rank 0 serves, or
+torchrun's), joins one gloo world (the parameter servers' traffic and small collectives on host
+tensors), then makes the same subgroups in the same order: one per worker node (the replicas
+that average inside the node; NCCL on GPUs) and one of all workers (all-reduce). All of it
+within cluster.timeout_s, the start-up timeout. From then on collectives and receives wait as
+long as a healthy peer needs (p2p.OPERATION_TIMEOUT), and the heartbeats (liveness.py) judge
+whether a peer is alive.
 
-Collectives and receives wait as long as a healthy peer needs: their timeout
-is OPERATION_TIMEOUT, days (point-to-point operations go through send/recv/
-wait here for that). Liveness, stop requests and the loss of a worker node
-the job goes on without are the heartbeat thread's (liveness.py). A job that
-goes on without lost workers meets at its end in the store (`store_gather`,
-`finish`), where a dropped rank is not waited for.
+Words used across comm/:
+- rendezvous (launch/env.Rendezvous): this process's rank and the job's world size, the address
+  and port where the processes meet, the job's id (the store's keys live under it, so a process
+  of another job never meets this one's), and the launcher that started the process.
+- chief: worker 0, rank 0 (plan.py puts workers first): it evaluates, writes the checkpoints and
+  the summary, and serves the store.
+- tolerant: a job that goes on without a lost worker node (strategies/traits.py); its end meets
+  in the store (end.py), where a dropped rank is not waited for.
 """
 
 from __future__ import annotations
@@ -19,26 +24,25 @@ import datetime
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .config import Config
-from .errors import EXIT_STOPPED, LaunchError, Stopped
-from .launch import fabric
-from .liveness import (CHECKPOINT, EXIT_PEER, HEARTBEAT_S, STALE_S, STOP, announce, default_store,  # noqa: F401
-                       heartbeat, join, linger, note_ranks, silent_since_joining, write_note)
-from .plan import Plan, Proc, make_plan, node_name
+from ..config import ClusterConfig, Config
+from ..errors import LaunchError
+from ..launch import fabric
+from ..launch.env import Rendezvous
+from ..plan import Plan, Proc, make_plan, node_name
+from ..strategies import traits
+from .liveness import HEARTBEAT_S, STALE_S, default_store, heartbeat, join, silent_since_joining
+from .p2p import OPERATION_TIMEOUT
 
 log = logging.getLogger("scaletrain")
-OPERATION_TIMEOUT = datetime.timedelta(days=7)  # a healthy collective or receive: no limit below hours
 
 
 class PeerLost(RuntimeError):
@@ -64,7 +68,7 @@ class Context:
     workers_group: object = None  # all workers (None when alone)
     workers_cpu_group: object = None  # all workers over gloo, for host tensors (workers_group itself on CPU)
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
-    requests: int = 0  # CHECKPOINT | STOP bits asked of this process and not yet agreed
+    requests: int = 0  # liveness.CHECKPOINT | STOP bits asked of this process, not yet acted on
     stop_signal: int = 0  # the number of the signal that asked for the stop (-1: heard of, not which)
     note: str = ""  # file where this process writes the ranks it left because of (for its launcher)
     tolerant: bool = False  # the strategy trains on without lost worker nodes (see the module doc)
@@ -118,64 +122,62 @@ class Context:
 
 
 def single() -> Context:
-    from .config import ClusterConfig
-
+    """The Context of a job of one process."""
     plan = make_plan(ClusterConfig(), ps_required=False)
     return Context(plan, plan.procs[0])
 
 
-def init(cfg: Config, plan: Plan, seat) -> Context:
-    """Join the job's world and make the subgroups; start the beat and the heartbeat thread. All of it
+def init(cfg: Config, plan: Plan, rdzv: Rendezvous) -> Context:
+    """Meet the job's processes at the rendezvous `rdzv`, join the world and make the subgroups; start
+    the beat and the heartbeat thread (liveness.py). All of it
     within cluster.timeout_s, the start-up timeout (every process starts at once): a process that
     does not join in time, or stops meanwhile, fails the start-up, named (PeerLost.culprits)."""
     c = cfg.cluster
     timeout = datetime.timedelta(seconds=c.timeout_s)
-    loopback = seat.launcher == "local" and _is_loopback(seat.addr)
+    loopback = rdzv.launcher == "local" and _is_loopback(rdzv.addr)
     os.environ.update(fabric.socket_env(c.ifname, loopback))  # gloo's and NCCL's sockets (launch/fabric.py)
     store, met = None, False
     try:
-        if seat.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
-            dist.init_process_group("gloo", init_method="env://", rank=seat.rank, world_size=seat.world,
+        if rdzv.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
+            dist.init_process_group("gloo", init_method="env://", rank=rdzv.rank, world_size=rdzv.world,
                                     timeout=timeout)
             store, met = default_store(), True
-            beat = join(store, seat.rank)
+            beat = join(store, rdzv.rank)
         else:
             # Keys under the job's id: a process of another job that reaches this store never meets ours.
-            store = dist.PrefixStore(f"scaletrain/{seat.job}", _rendezvous(seat, timeout, loopback))
-            beat = join(store, seat.rank)  # beating from here, a process stopped in the rendezvous is told apart
-            dist.init_process_group("gloo", store=store, rank=seat.rank, world_size=seat.world, timeout=timeout)
+            store = dist.PrefixStore(f"scaletrain/{rdzv.job}", _tcp_store(rdzv, timeout, loopback))
+            beat = join(store, rdzv.rank)  # beating from here, a process stopped in the rendezvous is told apart
+            dist.init_process_group("gloo", store=store, rank=rdzv.rank, world_size=rdzv.world, timeout=timeout)
             met = True
-        return _groups(cfg, plan, seat, timeout, store, beat)
+        return _groups(cfg, plan, rdzv, timeout, store, beat)
     except (PortInUse, LaunchError):
         raise
     except (RuntimeError, TimeoutError) as e:  # PeerLost too: check_groups's
-        raise _no_start(seat, plan, store, met, timeout, e) from None
+        raise _no_start(rdzv, plan, store, met, timeout, e) from None
 
 
-def _no_start(seat, plan: Plan, store, met: bool, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
+def _no_start(rdzv: Rendezvous, plan: Plan, store, met: bool, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
     """The error of a start-up that failed, naming the processes that did not join, or stopped beating,
     where there are such (a store that does not answer is rank 0's, which serves it)."""
     if store is None:
-        culprits = [0] if seat.launcher != "torchrun" and seat.rank else []
+        culprits = [0] if rdzv.launcher != "torchrun" and rdzv.rank else []
     else:
-        culprits = silent_since_joining(store, seat.world, seat.rank)
+        culprits = silent_since_joining(store, rdzv.world, rdzv.rank)
     if not culprits:
-        return err if isinstance(err, PeerLost) else _no_rendezvous(seat, timeout, err)
+        return err if isinstance(err, PeerLost) else _no_rendezvous(rdzv, timeout, err)
     who = ", ".join(plan.describe(r) for r in culprits)
     if met:
         return PeerLost(f"{who} stopped during the job's start-up (frozen or dead)", culprits)
-    return PeerLost(f"no rendezvous for job {seat.job} at {seat.addr}:{seat.port}: {who} did not join within "
+    return PeerLost(f"no rendezvous for job {rdzv.job} at {rdzv.addr}:{rdzv.port}: {who} did not join within "
                     f"{timeout.total_seconds():.0f} s (frozen, dead, or never started)", culprits)
 
 
-def _groups(cfg: Config, plan: Plan, seat, timeout: datetime.timedelta, store, beat) -> Context:
+def _groups(cfg: Config, plan: Plan, rdzv: Rendezvous, timeout: datetime.timedelta, store, beat) -> Context:
     """The subgroups, checked; the heartbeat thread."""
-    from . import strategies
-
     c = cfg.cluster
-    ctx = Context(plan, plan.procs[seat.rank], c.timeout_s, tolerant=strategies.tolerant(cfg),
-                  survivable=lambda lost: strategies.survivable(cfg, plan, lost),
-                  lost_with=lambda rank: strategies.lost_with(plan, rank))
+    ctx = Context(plan, plan.procs[rdzv.rank], c.timeout_s, tolerant=traits.tolerant(cfg),
+                  survivable=lambda lost: traits.survivable(cfg, plan, lost),
+                  lost_with=lambda rank: traits.lost_with(plan, rank))
     me, ctx.store, ctx._beat = ctx.me, store, beat
     on_gpu = agree_on_devices(plan, me.rank)
     local_backend = "nccl" if on_gpu and c.backend != "gloo" else "gloo"
@@ -252,35 +254,8 @@ def _ranks(ranks: list[int]) -> str:
         ", ".join(map(str, ranks))
 
 
-def wait(work) -> None:
-    """Wait for a point-to-point operation as long as the peer needs: gloo's sends and receives
-    keep the rendezvous timeout they were made with unless told otherwise."""
-    work.wait(OPERATION_TIMEOUT)
-
-
-def send(t, dst: int, tag: int) -> None:
-    wait(dist.isend(t, dst=dst, tag=tag))
-
-
-def irecv(t, src: int | None = None, tag: int = 0):
-    """A receive into `t` (from any rank when src is None), posted now: gloo's threads fill `t` from
-    when the sender sends; `wait` for it, `source` names the sender."""
-    return dist.irecv(t, src=src, tag=tag)
-
-
-def source(work) -> int:
-    return work._source_rank()
-
-
-def recv(t, src: int | None = None, tag: int = 0) -> int:
-    """Receive into `t` (from any rank when src is None); returns the sender's rank."""
-    work = irecv(t, src, tag)
-    wait(work)
-    return source(work) if src is None else src
-
-
-def _no_rendezvous(seat, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
-    return PeerLost(f"no rendezvous for job {seat.job} at {seat.addr}:{seat.port}: the job's {seat.world} "
+def _no_rendezvous(rdzv: Rendezvous, timeout: datetime.timedelta, err: BaseException) -> PeerLost:
+    return PeerLost(f"no rendezvous for job {rdzv.job} at {rdzv.addr}:{rdzv.port}: the job's {rdzv.world} "
                     f"processes did not all join within {timeout.total_seconds():.0f} s "
                     f"({str(err).strip().splitlines()[-1]})")
 
@@ -292,127 +267,20 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _rendezvous(seat, timeout: datetime.timedelta, loopback: bool):
+def _tcp_store(rdzv: Rendezvous, timeout: datetime.timedelta, loopback: bool):
     """The job's TCPStore: the others connect to rank 0, which serves it on a socket
     of its own, bound to loopback for local jobs and to every interface otherwise."""
-    if seat.rank != 0:
-        return dist.TCPStore(seat.addr, seat.port, seat.world, False, timeout)
+    if rdzv.rank != 0:
+        return dist.TCPStore(rdzv.addr, rdzv.port, rdzv.world, False, timeout)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("127.0.0.1" if loopback else "", seat.port))
+        sock.bind(("127.0.0.1" if loopback else "", rdzv.port))
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise PortInUse(f"cannot listen on port {seat.port} for the rendezvous ({e.strerror}); "
+        raise PortInUse(f"cannot listen on port {rdzv.port} for the rendezvous ({e.strerror}); "
                         "set cluster.master_port to a free port") from None
     # The store takes the socket over (and closes it when it ends).
-    return dist.TCPStore(seat.addr, seat.port, seat.world, True, timeout, wait_for_workers=False,
+    return dist.TCPStore(rdzv.addr, rdzv.port, rdzv.world, True, timeout, wait_for_workers=False,
                          master_listen_fd=sock.detach())
-
-
-def stopped(signum: int, where: str) -> Stopped:
-    """The error a process ends with after a stop at an agreed step: it names the signal
-    (signum, -1 when unknown) and its exit status says so (130 for Ctrl-C)."""
-    name = signal.Signals(signum).name if signum > 0 else "a stop request"
-    return Stopped(f"stopped by {name} {where}", 130 if signum == signal.SIGINT else EXIT_STOPPED)
-
-
-def finish(ctx: Context) -> None:
-    """Mark this process done, wait for all, and leave the world."""
-    if not ctx.distributed:
-        return
-    ctx._finishing.set()
-    if ctx.tolerant:  # in the store: a process dropped meanwhile is not waited for
-        store = _main_store(ctx)
-        store.set(f"done/{ctx.rank}", "1")
-        if ctx.rank == 0:  # it serves the store: it leaves last
-            _wait_all(ctx, store, "done")
-    else:
-        dist.barrier()  # untimed: the heartbeats still watch for a peer lost before it gets here
-    ctx._stop.set()
-    ctx._thread.join()  # the store client is not shared across threads
-    try:
-        ctx.store.set(f"done/{ctx.rank}", "1")
-    except Exception:  # noqa: BLE001 - rank 0, which serves the store, may be gone: all are past the barrier
-        pass
-    dist.destroy_process_group()
-
-
-def store_gather(ctx: Context, key: str, data: bytes) -> dict[int, bytes]:
-    """Every process's `data`, on rank 0 (the others get {}), through the store: a rank the job
-    went on without is not waited for (the heartbeats watch the others meanwhile)."""
-    store = _main_store(ctx)
-    store.set(f"{key}/{ctx.rank}", data)
-    if ctx.rank != 0:
-        return {}
-    ranks = _wait_all(ctx, store, key)
-    return {r: store.get(f"{key}/{r}") for r in ranks}
-
-
-def _main_store(ctx: Context):
-    """The main thread's own client of the store (the heartbeat thread has the default one)."""
-    if ctx._main is None:
-        ctx._main = ctx.store.clone()
-    return ctx._main
-
-
-def _wait_all(ctx: Context, store, key: str) -> list[int]:
-    """Wait until every rank has set `key/RANK` or was dropped; returns those that set it."""
-    while True:
-        ranks = [r for r in range(ctx.plan.world_size) if r not in ctx.dropped]
-        if all(r == ctx.rank or store.check([f"{key}/{r}"]) for r in ranks):
-            return [r for r in ranks if r == ctx.rank or store.check([f"{key}/{r}"])]
-        time.sleep(0.05)
-
-
-def abort(ctx: Context, culprits: list[int] | None = None) -> None:
-    """Leave after a failure: say in the store who failed (this process unless `culprits`
-    names the peers it lost; those go to the launcher's note too), so the others stop at
-    once, then drop the process groups."""
-    if culprits:
-        write_note(ctx, culprits)
-    ctx._stop.set()
-    if ctx._thread is not None:
-        ctx._thread.join()  # the store client is the heartbeat's until it ends
-        announce(ctx.store, ctx.rank, culprits or [ctx.rank])
-        linger(ctx)
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - already broken
-            pass
-
-
-def catch_stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool) -> dict:
-    """From now on the signals named ask ctx for a checkpoint and a stop (see stop_signals); returns the
-    handlers they had."""
-    def on_signal(signum, frame):
-        if escalate and signum == signal.SIGINT and ctx.requests & STOP:
-            raise KeyboardInterrupt
-        ctx.stop_signal = ctx.stop_signal or signum
-        ctx.requests |= STOP | CHECKPOINT
-
-    sigs = [getattr(signal, n) for n in names]
-    before = {s: signal.signal(s, on_signal) for s in sigs}
-    # A launcher may have started this process with them held (launch/local.py): one that came
-    # during start-up is acted on now, as a stop at the next agreed step.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
-    return before
-
-
-@contextmanager
-def stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool):
-    """While inside: the signals named (cluster.stopping: the job's stop signals and Ctrl-C) ask this process for a checkpoint and a
-    stop at the next agreed step, instead of killing it. escalate: a second Ctrl-C interrupts
-    at once (a process with no launcher above it; a launcher escalates for its children)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    before = catch_stop_signals(ctx, names, escalate)
-    try:
-        yield
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)

@@ -1,0 +1,49 @@
+"""A config's datasets: the one place that picks a source by data.name.
+
+build_datasets makes the (train, test, class names) a job's processes train and evaluate on;
+check_data raises, before any process starts, the DataError they would meet doing so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import DataError
+from .shards import open_shards
+from .sources import FileDataset, digits, file_lists, synthetic
+
+
+def build_datasets(cfg, run_dir: Path | None = None, check: bool = True
+                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
+    """(train, test, class names) for a Config; run_dir and check as for file_lists."""
+    d, n = cfg.data, cfg.model.num_classes
+    if d.name == "digits":
+        _digits_fit(n)
+        return digits(d.image_size)
+    if d.name == "synthetic":
+        return synthetic(d.image_size, n, d.synthetic_size)
+    if d.name == "shards":
+        return open_shards(d.root, n, d.shuffle_buffer)
+    train, test, classes = file_lists(cfg, run_dir, check)
+    return FileDataset(*train), FileDataset(*test), classes
+
+
+def check_data(cfg, run_dir: Path | None = None) -> None:
+    """The DataError the job's processes would meet building cfg's datasets, raised here first: a
+    launcher checks before it makes the run directory or starts a process. Files are listed and
+    checked, not read; the built-in sets are not made. With run_dir, a manifest's check is recorded
+    there (file_lists), so that the job's chief does not make it again."""
+    d = cfg.data
+    if d.name == "digits":
+        _digits_fit(cfg.model.num_classes)
+    elif d.name == "shards":
+        open_shards(d.root, cfg.model.num_classes, d.shuffle_buffer)
+    elif d.name != "synthetic":
+        file_lists(cfg, run_dir)
+
+
+def _digits_fit(num_classes: int) -> None:
+    if num_classes < 10:
+        raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {num_classes} is too small")

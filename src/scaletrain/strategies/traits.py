@@ -1,0 +1,99 @@
+"""The strategies' traits: what each synchronisation strategy is, as data, without torch.
+
+REGISTRY is the one table of strategy names; the functions below are pure functions of it and
+of a config. The launcher, `scaletrain plan`, config validation and the performance model read
+it without importing torch; the classes that run a strategy are picked from it in build.py
+alone. No other module compares strategy names.
+
+Words used here and by the strategies:
+- pusher: a worker process that talks to the parameter-server (PS) shards itself: a node's
+  leader, pushing the gradient averaged over the node's replicas (per_node), or every replica.
+- server mode: what a PS shard does with the gradients of one version: "sync" waits for
+  `wait_for` pushers' gradients and applies their mean; "async" applies each as it arrives.
+- update: one step of a PS shard's (or the replicas') optimizer; `images_per_update` is the
+  images whose gradients one update applies, the unit of the learning-rate scaling rule.
+- tolerant: the job trains on without a lost worker node (then no collective joins the workers
+  after start-up: they meet at the shards, see ps/server.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Traits:
+    uses_ps: bool
+    server: str = ""      # the PS shards' mode: "sync" | "async" ("" without PS)
+    per_node: bool = True  # one pusher per node (averaged inside) or one per replica
+    backups: bool = False  # a version may go without strategy.backup_workers node gradients
+    survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
+    resizable: bool = False  # every replica holds the one state: a resume may change the node count
+    rounds: bool = False   # all-reduce rounds in the background; replicas never wait for them
+
+
+REGISTRY: dict[str, Traits] = {
+    "allreduce": Traits(uses_ps=False, resizable=True),
+    "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True),
+    "sync": Traits(uses_ps=True, server="sync"),
+    "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True),
+    "mixed-async": Traits(uses_ps=True, server="async", survives_loss=True),
+    "async": Traits(uses_ps=True, server="async", per_node=False, survives_loss=True),
+}
+
+
+def entry(cfg) -> Traits:
+    """The traits of cfg's strategy (strategy.name)."""
+    return REGISTRY[cfg.strategy.name]
+
+
+def pushers(cfg, plan) -> list[int]:
+    """Ranks that talk to the parameter servers: node leaders, or every replica."""
+    return list(plan.leaders) if entry(cfg).per_node else [p.rank for p in plan.workers]
+
+
+def push_images(cfg) -> int:
+    """Images behind one push: a node's replicas, or one replica's batch."""
+    return cfg.data.batch_size * (cfg.cluster.gpus_per_node if entry(cfg).per_node else 1)
+
+
+def images_per_update(cfg) -> int:
+    """Images whose gradients one update applies: the global batch (all-reduce, sync),
+    N-b nodes' batches (backup), one push (asynchronous modes). The learning-rate
+    scaling rule (optim.scale_lr) is in this unit, on the PS and in all-reduce alike."""
+    e, c = entry(cfg), cfg.cluster
+    if cfg.strategy.emulate_workers:  # one process: a gradient of one batch, or a round of K (emulate.py)
+        return cfg.data.batch_size * (cfg.strategy.emulate_workers if e.rounds else 1)
+    if not e.uses_ps:
+        return c.nodes * c.gpus_per_node * cfg.data.batch_size
+    return push_images(cfg) * (wait_for(cfg, c.nodes if e.per_node else c.nodes * c.gpus_per_node)
+                               if e.server == "sync" else 1)
+
+
+def wait_for(cfg, pushers: int) -> int:
+    """Gradients a synchronous shard needs per version: all, less the backups."""
+    return pushers - (cfg.strategy.backup_workers if entry(cfg).backups else 0)
+
+
+def tolerant(cfg) -> bool:
+    """Whether the job goes on without a lost worker node (then no collective joins the
+    workers: sync points meet at the shards, see ps/server.py)."""
+    return entry(cfg).survives_loss and not cfg.strategy.emulate_workers
+
+
+def lost_with(plan, rank: int) -> list[int]:
+    """`rank` and the workers lost with it: its node's, which average and broadcast with it every step."""
+    node = plan.procs[rank].node
+    return sorted({rank} | {p.rank for p in plan.workers if p.node == node})
+
+
+def survivable(cfg, plan, lost) -> bool:
+    """Whether the job trains on without the processes `lost` (ranks): only workers, never the
+    chief's node (it evaluates, checkpoints and serves the rendezvous), and under backup at most
+    strategy.backup_workers nodes (each update still gets its N-b node gradients)."""
+    if not lost or not tolerant(cfg) or any(plan.procs[r].role != "worker" for r in lost):
+        return False
+    nodes = {plan.procs[r].node for r in lost}
+    if plan.workers[0].node in nodes:
+        return False
+    return not entry(cfg).backups or len(nodes) <= cfg.strategy.backup_workers
