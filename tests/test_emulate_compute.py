@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scaletrain import figures
+from scaletrain.study import figures
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, load_config
 from scaletrain.models import build_model
@@ -126,7 +126,7 @@ def test_no_data_is_read(tmp_path):
 def test_bench_adds_emulated_baseline():
     """bench turns evaluation off in every cell, so a recipe that evaluates still benches emulated,
     and its missing baseline is added."""
-    from scaletrain.bench import baseline_cells
+    from scaletrain.study.bench import baseline_cells
 
     added = baseline_cells(str(RECIPES / "digits.toml"), ["train.emulate_compute_s=0.1"],
                            [({"cluster.nodes": "2"}, "real")])

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain import figures
-from scaletrain.bench import GridError, cells, parse_grid
+from scaletrain.study import figures
+from scaletrain.study.bench import GridError, cells, parse_grid
 from scaletrain.cli import main
-from scaletrain.study import UntilError, parse_until
+from scaletrain.study.learning import UntilError, parse_until
 
 from conftest import RECIPES
 
@@ -80,7 +80,7 @@ def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
 
 
 def test_bench_adds_the_baseline_cells_the_grid_lacks():
-    from scaletrain.bench import baseline_cells
+    from scaletrain.study.bench import baseline_cells
 
     sync = [({"strategy.name": "sync", "cluster.num_ps": "1", "cluster.nodes": n, "optim.lr": lr}, "real")
             for lr in ("0.1", "0.2") for n in ("1", "2")]
@@ -128,7 +128,7 @@ def test_a_bad_grid_value_fails_before_any_cell_runs(tmp_path, capsys, command, 
 
 
 def test_check_cells_names_the_first_cell_whose_relations_fail():
-    from scaletrain.bench import check_cells
+    from scaletrain.study.bench import check_cells
 
     backup = ["strategy.name=backup", "cluster.num_ps=1", "strategy.backup_workers=1"]
     check_cells(DIGITS, backup, [({"cluster.nodes": "2"}, [])])
@@ -160,7 +160,7 @@ def test_predict_grid_in_one_flag_predicts_every_cell(capsys):
 
 
 def test_bench_plots_are_one_panel_per_strategy_on_shared_axes(tmp_path, monkeypatch):
-    from scaletrain import plots
+    from scaletrain.study import plots
 
     figs = {}
     real_save = plots._save

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .bench import IMPOSED
+from .study.bench import IMPOSED
 from .config import field_docs, load_config
 from .errors import USER_ERRORS, ConfigError, Finished, LaunchError, PlanError, Stopped
 from .plan import format_table, node_line
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main(args)
     if args.command == "report":
-        from .report import main as report_main
+        from .study.report import main as report_main
 
         return report_main(args)
     if args.command in ("predict", "calibrate"):
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         print("scaletrain: --resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
     if args.command in ("bench", "study"):
-        from . import bench, study
+        from .study import bench, learning
 
-        return (bench if args.command == "bench" else study).main(args)
+        return (bench if args.command == "bench" else learning).main(args)
 
     run_dir = None
     try:

@@ -79,7 +79,7 @@ def calibrate_main(args) -> int:
 
 
 def predict_main(args) -> int:
-    from ..bench import cells, parse_grid
+    from ..study.bench import cells, parse_grid
 
     try:
         prof, _ = load_profile(args.profile)
@@ -189,7 +189,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
     """Every measured bench row with its prediction and relative error, and the measured and
     predicted speedups: both against figures.BASELINE (the bench's measured baseline row, the
     model's prediction of that baseline), so they are the same quantity."""
-    from .. import figures
+    from ..study import figures
     from .predict import predict
 
     out = []
@@ -222,7 +222,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
 
 
 def validate_table(rows: list[dict[str, Any]]) -> str:
-    from ..figures import setup
+    from ..study.figures import setup
 
     def pair(r: dict[str, Any], key: str, fmt: str) -> str:
         m, p = r.get(f"{key}_measured"), r.get(f"{key}_predicted")

@@ -18,7 +18,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from .. import figures
+from ..study import figures
 from ..config import Config
 from ..strategies import images_per_update
 from . import costs

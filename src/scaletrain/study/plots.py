@@ -165,7 +165,7 @@ def _flagged(ax, rows: list[dict], x: str, y: str) -> None:
 
 
 def _curves(run_dir: str) -> dict[str, list[dict]]:
-    from .study import curves
+    from .learning import curves
 
     return curves(Path(run_dir))
 

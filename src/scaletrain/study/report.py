@@ -34,7 +34,7 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[di
         if (d / "bench-rows.json").exists():  # figured again, so older outputs read as today's definitions
             bench_rows += flags.add_flags(figures.add_scaling(rows_of(d / "bench-rows.json")))
         elif (d / "study-rows.json").exists():
-            from .study import add_improvement
+            from .learning import add_improvement
 
             rows = rows_of(d / "study-rows.json")
             study_rows += add_improvement(rows, tuple(rows[0]["until"]) if rows and rows[0].get("until") else None)
@@ -67,7 +67,7 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         sections.append(("Throughput, speedup and efficiency", figures.scaling_table(bench_rows), DEFINITIONS))
         bench_plots(bench_rows, out, made)
     if study_rows:
-        from .study import study_table
+        from .learning import study_table
 
         until = study_rows[0].get("until")
         until = tuple(until) if until else None
@@ -84,7 +84,7 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         sections.append(("Runs", "\n".join(lines), ""))
         learning_plots(runs, out, made, "runs-")
     if predicted:
-        from .perfmodel.commands import validate_table
+        from ..perfmodel.commands import validate_table
 
         err = statistics.median(abs(r["rel_error"]) for r in predicted)
         sections.append(("Predicted against measured", validate_table(predicted),

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from . import figures, flags
-from .errors import ConfigError, Finished, GridError, PlanError, Stopped
+from ..errors import ConfigError, Finished, GridError, PlanError, Stopped
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "slowest_window_fraction", "timed_windows",
@@ -86,8 +86,8 @@ def check_cells(recipe: str, overrides: list[str], todo: list[tuple[dict[str, st
     """GridError naming the first (cell, extra sets) whose config or placement (without this host's
     facts) is invalid, in ConfigError's or PlanError's own words: a bad value in the grid ends the
     sweep before any cell runs, not as a row after the others have trained."""
-    from .config import load_config
-    from .launch.env import plan_for
+    from ..config import load_config
+    from ..launch.env import plan_for
 
     for cell, extra in todo:
         try:
@@ -108,8 +108,8 @@ def cell_name(i: int, cell: dict[str, str], data: str) -> str:
 def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, Any]) -> dict[str, Any] | None:
     """One training run of the recipe with `sets` in OUT/cells/NAME; its summary, or None with
     row["error"] set. The row keeps the run directory relative to OUT, so OUT can be moved."""
-    from .config import load_config
-    from .run import run_training
+    from ..config import load_config
+    from ..run import run_training
 
     run_dir = out / "cells" / name
     t0 = time.perf_counter()
@@ -156,7 +156,7 @@ def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str,
         -> list[tuple[dict[str, str], str]]:
     """The baseline cells (figures.baseline_cell) that the (cell, data) plan lacks, once per data
     kind and distinct set of other keys. A cell whose config is invalid needs none: it will not run."""
-    from .config import load_config
+    from ..config import load_config
 
     have, need = set(), {}
     for cell, data in plan:
@@ -225,7 +225,7 @@ def publish(out: Path, kind: str, rows: list[dict[str, Any]], table: str, progre
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
-    from .config import load_config
+    from ..config import load_config
 
     return load_config(run_dir / "config.toml").flat()
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from . import bench, figures, flags
-from .config import load_config
-from .errors import ConfigError, Stopped, UntilError
+from ..config import load_config
+from ..errors import ConfigError, Stopped, UntilError
 
 
 def parse_until(text: str | None) -> tuple[str, float] | None:
