@@ -10,18 +10,19 @@ from html.parser import HTMLParser
 
 import pytest
 
+from scaletrain.perfmodel import scaling
 from scaletrain.study import bench, figures, flags
 from scaletrain.cli import main
 from scaletrain.metrics import JobClock
 from scaletrain.study.report import write_report
-from scaletrain.study.learning import add_improvement, study_table
+from scaletrain.study.figures import add_improvement, study_table
 
 from conftest import ROOT, scaletrain_cmd
 from test_study import DIGITS, check_report, row
 
 
 def scaled(*rows):
-    return flags.add_flags(figures.add_scaling(list(rows)))
+    return flags.add_flags(scaling.add_scaling(list(rows)))
 
 
 def cells_of(html: str) -> dict[str, str]:

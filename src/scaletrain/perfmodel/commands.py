@@ -79,7 +79,7 @@ def calibrate_main(args) -> int:
 
 
 def predict_main(args) -> int:
-    from ..study.bench import cells, parse_grid
+    from ..study.grid import cells, parse_grid
 
     try:
         prof, _ = load_profile(args.profile)
@@ -187,9 +187,9 @@ def batch_note(args, batches: list[int], recipe: int, prof) -> str:
 
 def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[str, Any]]:
     """Every measured bench row with its prediction and relative error, and the measured and
-    predicted speedups: both against figures.BASELINE (the bench's measured baseline row, the
+    predicted speedups: both against scaling.BASELINE (the bench's measured baseline row, the
     model's prediction of that baseline), so they are the same quantity."""
-    from ..study import figures
+    from . import scaling
     from .predict import predict
 
     out = []
@@ -197,8 +197,8 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
         path = d / "bench-rows.json"
         if not path.exists():
             raise ProfileError(f"{d}: no bench-rows.json (a `scaletrain bench` output directory)")
-        for row in figures.add_scaling(json.loads(path.read_text())):  # figured again: older outputs too
-            if row.get("error") or row.get("data") not in (None, "real") or not figures.measured(row):
+        for row in scaling.add_scaling(json.loads(path.read_text())):  # figured again: older outputs too
+            if row.get("error") or row.get("data") not in (None, "real") or not scaling.measured(row):
                 continue
             nested: dict[str, dict] = {}
             for k, v in row["config"].items():
@@ -210,7 +210,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
             measured = row["images_per_sec"]
             out.append({**{k: row.get(k) for k in ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps",
                                                    "ps_placement", "cell", "label")},
-                        "baseline": figures.is_baseline(cfg.flat()),
+                        "baseline": scaling.is_baseline(cfg.flat()),
                         "measured": measured, "predicted": pred["images_per_sec"],
                         "rel_error": pred["images_per_sec"] / measured - 1, "bottleneck": pred["bottleneck"],
                         "measured_speedup": row["speedup"], "measured_speedup_stderr": row["speedup_stderr"],
@@ -222,7 +222,7 @@ def validate_rows(bench_dirs: list[Path], prof, profile_path: str) -> list[dict[
 
 
 def validate_table(rows: list[dict[str, Any]]) -> str:
-    from ..study.figures import setup
+    from .scaling import setup
 
     def pair(r: dict[str, Any], key: str, fmt: str) -> str:
         m, p = r.get(f"{key}_measured"), r.get(f"{key}_predicted")

@@ -160,7 +160,7 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
 
 
 def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
-    from ..study.figures import setup
+    from .scaling import setup
 
     lines = [f"| Nodes | Recommended ({objective}) | Batch per replica | Images per update | img/s | Speedup | "
              "Efficiency | Why this batch | Runners-up at that batch and why they lose |",
