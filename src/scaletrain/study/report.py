@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ..perfmodel import scaling
-from ..perfmodel.commands import validate_table
+from ..perfmodel.validate import validate_table
 from . import figures, flags
 from .plots import bench_plots, learning_plots, predicted_plot, staleness_plot
 
