@@ -170,9 +170,10 @@ def fit_transfer_load(prof: Profile, cfg: Config, step_s: float) -> float:
     point-to-point microbenchmark: the model's step of PS_JOB with bandwidths / f equals the
     measured `step_s`. Loopback moves bytes with the CPU and memory the job's other copies are
     using; how much that costs depends on the sizes, which cache they fit. f may be below 1
-    (down to MIN_LOAD): the job's transfers can be faster than the microbenchmark's (seen with
-    45 MB gradients, 0.82), and a factor held at 1 then predicts every PS row slow. Latency is
-    waiting for the peer, which holds no core: it stays the microbenchmark's."""
+    (down to MIN_LOAD): the job's transfers can be faster than the microbenchmark's, whose
+    message has another size (at least BIG_MIN elements) and so fits the caches differently,
+    and a factor held at 1 then predicts every PS row slow. Latency is waiting for the peer,
+    which holds no core: it stays the microbenchmark's."""
     job = job_config(cfg, 1, **PS_JOB)
 
     def predicted(f: float) -> float:

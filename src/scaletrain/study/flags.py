@@ -1,9 +1,10 @@
 """Flags on result rows: figures that cannot be true of the job, each with its reason in words.
 
 A throughput measured while another process took the host is not the job's, and neither is
-a figure built on it: a baseline of 0.4 ± 0.2 img/s makes a 2-node efficiency of 3.43. A
-row's `flag` says which figures are in doubt and why ("efficiency 3.43 ± 1.71 > 1: baseline
-unsteady (±50%); rerun with --repeats 3"), and `flagged` names them, so that tables, JSON and
+a figure built on it: a baseline slowed to a fraction of its rate puts every configuration
+measured against it above its bound (an efficiency above 1). A row's `flag` says which
+figures are in doubt and why ("efficiency 3.43 ± 1.71 > 1: baseline unsteady (±50%); rerun
+with --repeats 3"), and `flagged` names them, so that tables, JSON and
 the report never publish such a figure plain. A figure derived from a flagged throughput is
 flagged with it: speedup and efficiency from their baseline's, a study's improvement from
 its first configuration's. The bounds and their reasons are here and nowhere else.
