@@ -7,7 +7,7 @@ per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
 standard error and jitter, bytes per step, staleness), then speedup and
 efficiency (perfmodel/scaling.py) and the flags of figures in doubt (flags.py) are
 added and the table printed and written to OUT/bench.md. Every cell's config
-and placement is checked before the first one runs (check_cells): a bad grid
+and placement is checked before the first one runs (grid.check_cells): a bad grid
 value ends the sweep in one line.
 Speedup is against one node with no distribution (scaling.BASELINE, every
 other key the same): where the grid lacks that cell, it runs first, once
