@@ -9,11 +9,19 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .bench import IMPOSED
+from . import doctor
 from .config import field_docs, load_config
-from .errors import USER_ERRORS, ConfigError, Finished, LaunchError, PlanError, Stopped
+from .data.shards import pack, parse_size
+from .errors import USER_ERRORS, ConfigError, Finished, GridError, LaunchError, PlanError, Stopped
+from .launch import preflight, slurm, torchrun
+from .launch.env import plan_for
+from .perfmodel import commands
 from .plan import format_table, node_line
 from .run import run_dir_for, run_training
+from .rundir import prepare_run_dir
+from .study import bench, learning, report
+from .study.bench import IMPOSED
+from .study.grid import cells, parse_grid
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,9 +88,42 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe key (repeatable)")
     dr.add_argument("--format", choices=("human", "json"), default="human")
-    from .perfmodel.commands import add_parsers
-
-    add_parsers(sub)
+    pr = sub.add_parser("predict", help="predicted throughput, speedup, efficiency and bottleneck of configurations")
+    pr.add_argument("--profile", required=True, help="hardware profile (TOML, see profiles/)")
+    pr.add_argument("--recipe", help="TOML recipe (not needed with --validate)")
+    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pr.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
+                    help="as for bench: several KEY=VALUES after one --grid, or several --grid")
+    pr.add_argument("--format", choices=("table", "json"), default="table")
+    pr.add_argument("--spread", type=float, default=0.0,
+                    help="coefficient of variation of replica step times (0 = equal speeds)")
+    pr.add_argument("--images", type=int, help="training images per epoch: adds seconds per epoch (default: the "
+                    "profile's dataset_images)")
+    pr.add_argument("--epochs", type=float, help="epochs to train: adds hours to train (default: the profile's "
+                    "epochs, else the recipe's train.epochs)")
+    pr.add_argument("--recommend", action="store_true",
+                    help="best strategy, PS count, placement and batch per replica per node count")
+    pr.add_argument("--max-nodes", type=int, default=16)
+    pr.add_argument("--max-batch", type=int, help="--recommend: also try the powers of two above the recipe's "
+                    "data.batch_size up to this many images per replica, those that fit the device (default: "
+                    "the recipe's batch only, as a larger one grows the images per update and so changes "
+                    "the optimisation)")
+    pr.add_argument("--batches", metavar="B1,B2,...", help="--recommend: the batches per replica to try "
+                    "(instead of --max-batch)")
+    pr.add_argument("--objective", choices=("throughput", "efficiency"), default="throughput")
+    pr.add_argument("--min-efficiency", type=float, default=0.0)
+    pr.add_argument("--max-staleness", type=float, help="leave out configurations with more mean staleness")
+    pr.add_argument("--validate", nargs="+", type=Path, metavar="BENCH_DIR",
+                    help="predicted against measured for every row of these bench outputs")
+    pr.add_argument("--out", type=Path, help="--validate: where validate.md and validate-rows.json go "
+                    "(default: the first BENCH_DIR, where `scaletrain report` finds them)")
+    ca = sub.add_parser("calibrate", help="measure a hardware profile on this machine")
+    ca.add_argument("--recipe", help="TOML recipe whose model and batch to measure (default: built-in defaults)")
+    ca.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ca.add_argument("--out", type=Path, default=Path("profiles/local.toml"))
+    ca.add_argument("--steps", type=int, default=30, help="measured training steps (default 30)")
+    ca.add_argument("--runs", type=int, default=3, help="rounds, each measuring every figure once; the profile "
+                    "holds the medians (default 3)")
     return p
 
 
@@ -106,17 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:28s} {doc}")
         return 0
     if args.command == "doctor":
-        from .doctor import main as doctor_main
-
-        return doctor_main(args)
+        return doctor.main(args)
     if args.command == "report":
-        from .report import main as report_main
-
-        return report_main(args)
-    if args.command in ("predict", "calibrate"):
-        from .perfmodel import commands
-
-        return (commands.predict_main if args.command == "predict" else commands.calibrate_main)(args)
+        return report.main(args)
+    if args.command == "calibrate":
+        return commands.calibrate_command(args.recipe, args.overrides, args.out, args.steps, args.runs)
+    if args.command == "predict":
+        return _predict(args)
     try:
         cfg = load_config(args.recipe, [*args.overrides, *(IMPOSED if args.command == "bench" else ())])
     except ConfigError as e:
@@ -126,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print("scaletrain: --resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
     if args.command in ("bench", "study"):
-        from . import bench, study
-
-        return (bench if args.command == "bench" else study).main(args)
+        return (bench if args.command == "bench" else learning).main(args)
 
     run_dir = None
     try:
@@ -161,10 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plan(args, cfg, run_dir: Path) -> int:
-    from .launch import slurm, torchrun
-    from .launch.env import plan_for
+def _predict(args) -> int:
+    """`predict`, `predict --recommend` or `predict --validate`; only the first reads --grid."""
+    if args.validate:
+        return commands.validate_command(args.profile, args.validate, args.out, args.format)
+    if args.recommend:
+        return commands.recommend_command(args.profile, args.recipe, args.overrides, args.format, args.spread,
+                                          args.max_nodes, args.max_batch, args.batches, args.objective,
+                                          args.min_efficiency, args.max_staleness)
+    try:
+        grid = cells(parse_grid(args.grid))
+    except GridError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
+    return commands.predict_command(args.profile, args.recipe, args.overrides, grid, args.format, args.spread,
+                                    args.images, args.epochs)
 
+
+def _plan(args, cfg, run_dir: Path) -> int:
     plan = plan_for(cfg)
     c = cfg.cluster
     if args.format == "table":
@@ -184,8 +233,6 @@ def _plan(args, cfg, run_dir: Path) -> int:
 
 
 def _pack(args, cfg) -> int:
-    from .data.shards import pack, parse_size
-
     try:
         size = parse_size(args.shard_size)
     except ValueError as e:
@@ -201,10 +248,6 @@ def _pack(args, cfg) -> int:
 
 
 def _slurm(args, cfg, run_dir: Path) -> int:
-    from .launch import preflight, slurm
-    from .launch.env import plan_for
-    from .rundir import prepare_run_dir
-
     cfg = preflight.absolute_paths(cfg, Path.cwd())  # every node reads them, from wherever the job runs
     if args.setup:
         cfg = cfg.replace(**{"cluster.setup": [*cfg.cluster.setup, *args.setup]})

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scaletrain import figures
+from scaletrain.perfmodel import scaling
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, load_config
 from scaletrain.models import build_model
@@ -67,13 +67,13 @@ def test_config():
 def test_labels():
     row = {"strategy": "sync", "nodes": 2, "nodes_total": 2, "num_ps": 1, "gpus_per_node": 2, "data": "real",
            "cell": {"train.emulate_compute_s": "0.2"}, "emulated_compute_s": 0.2}
-    assert figures.setup(row) == "sync, 2 nodes (2 workers x 2 replicas + 1 PS alongside), emulated compute 0.2 s"
-    assert "emulated" not in figures.setup({**row, "emulated_compute_s": 0.0, "cell": {}})
+    assert scaling.setup(row) == "sync, 2 nodes (2 workers x 2 replicas + 1 PS alongside), emulated compute 0.2 s"
+    assert "emulated" not in scaling.setup({**row, "emulated_compute_s": 0.0, "cell": {}})
     # an emulated row is not the baseline of a real one
     base = {**row, "strategy": "allreduce", "nodes": 1, "nodes_total": 1, "num_ps": 0, "cell": {},
             "images_per_sec": 10.0}
-    assert figures.baseline({**row, "cell": {}}, [base]) is base
-    assert figures.baseline({**row, "cell": {}, "emulated_compute_s": 0}, [base]) is None
+    assert scaling.baseline({**row, "cell": {}}, [base]) is base
+    assert scaling.baseline({**row, "cell": {}, "emulated_compute_s": 0}, [base]) is None
 
 
 def test_strategies_on_emulated_gpus(tmp_path):
@@ -126,7 +126,7 @@ def test_no_data_is_read(tmp_path):
 def test_bench_adds_emulated_baseline():
     """bench turns evaluation off in every cell, so a recipe that evaluates still benches emulated,
     and its missing baseline is added."""
-    from scaletrain.bench import baseline_cells
+    from scaletrain.study.bench import baseline_cells
 
     added = baseline_cells(str(RECIPES / "digits.toml"), ["train.emulate_compute_s=0.1"],
                            [({"cluster.nodes": "2"}, "real")])

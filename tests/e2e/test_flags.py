@@ -10,18 +10,19 @@ from html.parser import HTMLParser
 
 import pytest
 
-from scaletrain import bench, figures, flags
+from scaletrain.perfmodel import scaling
+from scaletrain.study import bench, figures, flags
 from scaletrain.cli import main
 from scaletrain.metrics import JobClock
-from scaletrain.report import write_report
-from scaletrain.study import add_improvement, study_table
+from scaletrain.study.report import write_report
+from scaletrain.study.figures import add_improvement, study_table
 
 from conftest import ROOT, scaletrain_cmd
 from test_study import DIGITS, check_report, row
 
 
 def scaled(*rows):
-    return flags.add_flags(figures.add_scaling(list(rows)))
+    return flags.add_flags(scaling.add_scaling(list(rows)))
 
 
 def cells_of(html: str) -> dict[str, str]:
@@ -157,7 +158,7 @@ def test_a_cell_not_measured_is_null_and_says_so(tmp_path):
     old = scaled({**row("allreduce", 1, 1, 0.0, 0.0), "timed_windows": 0})[0]  # 0.0 from before nulls
     assert figures.throughput_text(old) == "not measured"
     made = []
-    from scaletrain.plots import bench_plots
+    from scaletrain.study.plots import bench_plots
 
     bench_plots([base, two], tmp_path, made)
     assert [n for n, _ in made] == ["speedup.png", "throughput.png"]

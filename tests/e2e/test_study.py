@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain import figures
-from scaletrain.bench import GridError, cells, parse_grid
+from scaletrain.perfmodel import scaling
+from scaletrain.study import figures
+from scaletrain.errors import GridError
+from scaletrain.study.grid import cells, parse_grid
 from scaletrain.cli import main
-from scaletrain.study import UntilError, parse_until
+from scaletrain.study.learning import UntilError, parse_until
 
 from conftest import RECIPES
 
@@ -26,7 +28,7 @@ def row(strategy, nodes, total, ips, se, ps=0, placement="alongside", gpus=1, **
 def test_speedup_and_efficiency_follow_the_study():
     # The study's 4-worker figures (REFERENCE.md), against 1 node with no distribution;
     # efficiency counts dedicated PS nodes.
-    rows = figures.add_scaling([
+    rows = scaling.add_scaling([
         row("allreduce", 1, 1, 124.18, 1.0),
         row("mixed-async", 4, 7, 396.62, 2.0, ps=3, placement="dedicated"),
         row("mixed-async", 4, 4, 374.73, 2.0, ps=3),
@@ -39,8 +41,8 @@ def test_speedup_and_efficiency_follow_the_study():
     s = 396.62 / 124.18
     assert rows[1]["speedup_stderr"] == pytest.approx(s * math.hypot(2.0 / 396.62, 1.0 / 124.18))
     assert rows[3]["speedup_stderr"] == pytest.approx(292.22 / 124.18 * math.hypot(0.0, 1.0 / 124.18))
-    assert figures.setup(rows[1]) == "mixed-async, 7 nodes (4 workers + 3 dedicated PS)"
-    assert figures.setup(rows[3]) == "mixed-async, 4 nodes (4 workers + 1 PS alongside)"
+    assert scaling.setup(rows[1]) == "mixed-async, 7 nodes (4 workers + 3 dedicated PS)"
+    assert scaling.setup(rows[3]) == "mixed-async, 4 nodes (4 workers + 1 PS alongside)"
     # The second figure: against mixed-async's smallest configuration (4 nodes used, the first of them).
     assert [r["own_baseline"] for r in rows[1:]] == ["mixed-async, 4 nodes (4 workers + 3 PS alongside)"] * 3
     assert rows[1]["speedup_own"] == pytest.approx(396.62 / 374.73) and rows[2]["speedup_own"] == 1.0
@@ -54,7 +56,7 @@ def test_speedup_and_efficiency_follow_the_study():
 
 def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
     b64 = {"data.batch_size": "64"}
-    rows = figures.add_scaling([
+    rows = scaling.add_scaling([
         row("allreduce", 1, 1, 100.0, 0.0, **{"data.batch_size": "32"}),
         row("allreduce", 1, 1, 150.0, 0.0, **b64),
         row("sync", 1, 1, 120.0, 0.0, ps=1, **b64),
@@ -69,7 +71,7 @@ def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
     assert sync1["speedup"] == pytest.approx(0.8) and sync1["efficiency"] == pytest.approx(0.8)
     assert sync1["baseline"] == "allreduce, 1 node (1 worker), data.batch_size=64"
     assert sync2["speedup"] == pytest.approx(1.6) and sync2["efficiency"] == pytest.approx(0.8)
-    assert sync2["speedup_own"] == pytest.approx(2.0) and sync2["own_baseline"] == figures.setup(sync1)
+    assert sync2["speedup_own"] == pytest.approx(2.0) and sync2["own_baseline"] == scaling.setup(sync1)
     assert mixed["speedup"] == pytest.approx(1.8) and mixed["efficiency"] == pytest.approx(0.6)
     assert two_gpus["speedup"] == pytest.approx(1.6)  # against the node of 2 replicas, not of 1
     assert lone["speedup"] is None and lone["efficiency"] is None and lone["baseline"] is None
@@ -80,11 +82,11 @@ def test_baseline_is_one_allreduce_node_with_the_other_keys_the_same():
 
 
 def test_bench_adds_the_baseline_cells_the_grid_lacks():
-    from scaletrain.bench import baseline_cells
+    from scaletrain.study.bench import baseline_cells
 
     sync = [({"strategy.name": "sync", "cluster.num_ps": "1", "cluster.nodes": n, "optim.lr": lr}, "real")
             for lr in ("0.1", "0.2") for n in ("1", "2")]
-    extra = baseline_cells(DIGITS, [], sync)  # once per learning rate, settings of figures.BASELINE
+    extra = baseline_cells(DIGITS, [], sync)  # once per learning rate, settings of scaling.BASELINE
     assert extra == [({"optim.lr": lr, "strategy.name": "allreduce", "cluster.nodes": "1", "cluster.num_ps": "0",
                        "strategy.backup_workers": "0", "strategy.slow_node": "-1"}, "real") for lr in ("0.1", "0.2")]
     with_it = [({"strategy.name": "allreduce", "cluster.num_ps": "0", "cluster.nodes": "1", "optim.lr": "0.1"},
@@ -128,7 +130,7 @@ def test_a_bad_grid_value_fails_before_any_cell_runs(tmp_path, capsys, command, 
 
 
 def test_check_cells_names_the_first_cell_whose_relations_fail():
-    from scaletrain.bench import check_cells
+    from scaletrain.study.grid import check_cells
 
     backup = ["strategy.name=backup", "cluster.num_ps=1", "strategy.backup_workers=1"]
     check_cells(DIGITS, backup, [({"cluster.nodes": "2"}, [])])
@@ -160,7 +162,7 @@ def test_predict_grid_in_one_flag_predicts_every_cell(capsys):
 
 
 def test_bench_plots_are_one_panel_per_strategy_on_shared_axes(tmp_path, monkeypatch):
-    from scaletrain import plots
+    from scaletrain.study import plots
 
     figs = {}
     real_save = plots._save
@@ -172,7 +174,7 @@ def test_bench_plots_are_one_panel_per_strategy_on_shared_axes(tmp_path, monkeyp
     monkeypatch.setattr(plots, "_save", keep)
     # the later panels reach higher than the first: the shared y axis must show all of them
     gain = {"allreduce": 1.0, "sync": 1.2, "mixed-async": 1.4}
-    rows = figures.add_scaling([row(s, n, n, gain[s] * 100.0 * n ** 0.5, 1.0, ps=0 if s == "allreduce" else 1, gpus=2)
+    rows = scaling.add_scaling([row(s, n, n, gain[s] * 100.0 * n ** 0.5, 1.0, ps=0 if s == "allreduce" else 1, gpus=2)
                                 for n in (1, 2, 4) for s in ("allreduce", "sync", "mixed-async")])
     made = []
     plots.bench_plots(rows, tmp_path, made)

@@ -56,7 +56,7 @@ def test_a_finished_distributed_run_run_again_is_left_as_it_is(tmp_path, env):
 
 def test_a_bench_cell_run_again_into_its_own_out_keeps_its_figures(tmp_path):
     """A sweep run again into the same OUT: a finished cell's row is its summary, not an error."""
-    from scaletrain import bench
+    from scaletrain.study import bench
 
     sets = [*SETS, "train.steps=5", "model.name=resnet8"]
     first, second = {}, {}

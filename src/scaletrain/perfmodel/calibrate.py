@@ -56,9 +56,16 @@ import torch.multiprocessing as mp
 
 from ..config import Config
 from ..errors import ProfileError
+from ..launch.local import free_port
 from ..metrics import pinned, sync
+from ..optim import build_optimizer
+from ..run import run_training
+from ..train import pick_device
+from .costs import ring_allreduce_s
+from .predict import predict
 from .profile import Profile, load_profile
 from .rounds import rounds
+from .setup import param_numels
 
 SMALL = 1  # elements of the latency message (4 bytes)
 # Elements of the bandwidth message, at least: a small gradient's transfer takes about as long
@@ -108,8 +115,6 @@ def _comm_worker(rank: int, world: int, port: int, numel: int, out: str, backend
 
 
 def measure_comm(world: int, numel: int, backend: str = "gloo") -> dict[str, float]:
-    from ..launch.local import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
         mp.spawn(_comm_worker, args=(world, free_port("127.0.0.1"), numel, out, backend), nprocs=world)
@@ -129,8 +134,6 @@ def ring_alpha_beta(n: int, t_small: float, t_big: float, nbytes: float) -> tupl
 
 def measure_optimizer(cfg: Config, numel: int) -> float:
     """Seconds of one optimizer step over `numel` parameters, one thread, on CPU."""
-    from ..optim import build_optimizer
-
     torch.set_num_threads(1)
     w = torch.nn.Parameter(torch.zeros(numel))
     w.grad = torch.randn(numel) * 1e-3
@@ -142,8 +145,6 @@ def measure_job(cfg: Config, replicas: int, warmup: int, steps: int, **shape) ->
     """Seconds per step of a real local training job of the recipe (one node, `replicas`
     replicas of one thread each, all-reduce, no evaluation; `shape` overrides those keys),
     and its device."""
-    from ..run import run_training
-
     job = job_config(cfg, replicas, **shape).replace(**{
         "train.threads": 1, "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
         "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
@@ -169,11 +170,10 @@ def fit_transfer_load(prof: Profile, cfg: Config, step_s: float) -> float:
     point-to-point microbenchmark: the model's step of PS_JOB with bandwidths / f equals the
     measured `step_s`. Loopback moves bytes with the CPU and memory the job's other copies are
     using; how much that costs depends on the sizes, which cache they fit. f may be below 1
-    (down to MIN_LOAD): the job's transfers can be faster than the microbenchmark's (seen with
-    45 MB gradients, 0.82), and a factor held at 1 then predicts every PS row slow. Latency is
-    waiting for the peer, which holds no core: it stays the microbenchmark's."""
-    from .predict import predict
-
+    (down to MIN_LOAD): the job's transfers can be faster than the microbenchmark's, whose
+    message has another size (at least BIG_MIN elements) and so fits the caches differently,
+    and a factor held at 1 then predicts every PS row slow. Latency is waiting for the peer,
+    which holds no core: it stays the microbenchmark's."""
     job = job_config(cfg, 1, **PS_JOB)
 
     def predicted(f: float) -> float:
@@ -233,9 +233,6 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     """Every figure is measured in `runs` rounds (jobs and process pairs started afresh each
     time, every figure once a round); the profile holds what derive() makes of their medians,
     and its [about] table the medians themselves ("measured") and each figure's spread."""
-    from .setup import param_numels
-    from ..train import pick_device
-
     numel = sum(param_numels(cfg.model))
     gpu = pick_device(cfg).type == "cuda"
     emulated = cfg.train.emulate_compute_s > 0
@@ -279,9 +276,6 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
     """The profile from calibrate's measurements `m` (name -> figure -> seconds) on `host`
     (calibrate's description of the machine; both are kept in a calibrated profile's [about],
     so that one can be derived again: rederive)."""
-    from .costs import ring_allreduce_s
-    from .setup import param_numels
-
     nbytes = 4 * sum(param_numels(cfg.model))
     gpu, emulated, cores, device = host["gpus"] > 0, cfg.train.emulate_compute_s > 0, host["cores"], host["device"]
     n, big, b_other = host["allreduce_over"], host["big_elements"], host["other_batch"]

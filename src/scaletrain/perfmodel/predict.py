@@ -5,8 +5,8 @@ many gradients as compute makes while a ring runs, uneven speeds) and every
 parameter-server configuration use the event simulation (simulate.py): shards that share
 links, one-thread shards whose replies overlap the first pushers' next
 compute, asynchronous shards, backups and uneven speeds are beyond a closed
-form. Speedup and efficiency are figures.py's, as for a bench:
-throughput over that of one node with no distribution (figures.BASELINE: the
+form. Speedup and efficiency are scaling.py's, as for a bench:
+throughput over that of one node with no distribution (scaling.BASELINE: the
 same replicas per node, averaging inside the node only), and speedup over
 the nodes used, dedicated PS nodes included.
 """
@@ -18,7 +18,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from .. import figures
+from . import scaling
 from ..config import Config
 from ..strategies import images_per_update
 from . import costs
@@ -99,8 +99,8 @@ def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float
 
 
 def single_node(cfg: Config) -> Config:
-    """The study's baseline (figures.BASELINE): one node, all-reduce, no parameter server, no slow node."""
-    return cfg.replace(**figures.BASELINE)
+    """The study's baseline (scaling.BASELINE): one node, all-reduce, no parameter server, no slow node."""
+    return cfg.replace(**scaling.BASELINE)
 
 
 def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict[str, Any]:
@@ -111,7 +111,7 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
     est, method = estimate(p, st, spread, seed)
     # The baseline on the same hardware: its replicas are as uneven as this configuration's.
     base, _ = estimate(p, make_setup(single_node(cfg), p), spread, seed)
-    scaled = figures.scaling(est.images_per_sec, 0.0, base.images_per_sec, 0.0, st.nodes_total)
+    scaled = scaling.scaling(est.images_per_sec, 0.0, base.images_per_sec, 0.0, st.nodes_total)
     name, share = bottleneck(est, st.uses_ps)
     c = cfg.cluster
     return {"strategy": cfg.strategy.name, "nodes": c.nodes, "nodes_total": st.nodes_total,
@@ -152,7 +152,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f} / {r['staleness_p95']:.0f}" + \
             (f", drops {r['dropped_fraction']:.0%}" if r["dropped_fraction"] else "")
-        lines.append(f"| {figures.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
+        lines.append(f"| {scaling.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
                      f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
                      f"{r['link_util']:.2f} | {stale} | {r['method']} |"
                      + (f" {r['epoch_s'] / 3600:.2f} |" if timed else "")

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import get_type_hints
 
+import tomli_w
+
 from ..config import check_value, opt, read_toml
 from ..errors import ModelError, ProfileError
 
@@ -158,7 +160,5 @@ SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_b
 
 
 def dump_profile(profile: Profile, about: dict) -> str:
-    import tomli_w
-
     flat = asdict(profile)
     return tomli_w.dumps({"about": about, **{s: {k: flat[k] for k in keys} for s, keys in SECTIONS.items()}})

@@ -25,6 +25,7 @@ from ..config import Config
 from ..strategies import REGISTRY
 from .predict import predict
 from .profile import Profile, fits, memory_at
+from .scaling import setup
 from .setup import ModelError
 
 def node_counts(max_nodes: int) -> list[int]:
@@ -160,8 +161,6 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
 
 
 def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
-    from ..figures import setup
-
     lines = [f"| Nodes | Recommended ({objective}) | Batch per replica | Images per update | img/s | Speedup | "
              "Efficiency | Why this batch | Runners-up at that batch and why they lose |",
              "|---|---|---|---|---|---|---|---|---|"]

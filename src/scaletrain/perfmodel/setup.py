@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..config import Config
 from ..errors import ModelError, PlanError
+from ..models import resnet
 from ..plan import make_plan
+from ..ps.sharding import make_layout
 from ..strategies import entry, wait_for
 from .profile import Profile
 
@@ -51,8 +55,6 @@ def shard_bytes(cfg: Config, total: int) -> tuple[int, ...]:
     p = cfg.cluster.num_ps
     if cfg.cluster.sharding == "balanced":
         return tuple(total // p + (1 if k < total % p else 0) for k in range(p))
-    from ..ps.sharding import make_layout
-
     numels = param_numels(cfg.model)
     layout = make_layout(numels, p, "round-robin")
     scale = total / (4 * sum(numels))  # the profile's gradient size rules
@@ -61,10 +63,6 @@ def shard_bytes(cfg: Config, total: int) -> tuple[int, ...]:
 
 def param_numels(model_cfg) -> list[int]:
     """Element count of each parameter of the model, in model order."""
-    import torch
-
-    from ..models import resnet
-
     with torch.device("meta"):  # sizes only: no memory, no initialisation cost
         model = resnet(model_cfg.name, model_cfg.num_classes, model_cfg.norm, model_cfg.width)
     return [q.numel() for q in model.parameters()]

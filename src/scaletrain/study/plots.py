@@ -9,19 +9,22 @@ matplotlib is imported only when a plot is drawn.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
-from . import figures
+from ..perfmodel import scaling
+from .figures import MARK
 
 PANEL_IN = 3.3  # inches of one panel's width; the figure grows with the number of strategies
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # heavy, and needed only when a report draws a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display is needed or opened
 
     return plt
 
@@ -47,7 +50,7 @@ def by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
     for r in rows:
         if not r.get("error"):
             key = r["strategy"] + ("" if r.get("data") in (None, "real") else f" ({r['data']})") + \
-                figures.emulated_compute(r)
+                scaling.emulated_compute(r)
             groups[key].append(r)
     return {k: sorted(v, key=lambda r: (r["nodes_total"], r["nodes"])) for k, v in groups.items()}
 
@@ -59,7 +62,7 @@ def variant(row: dict) -> str:
     parts = [f"{ps} {'dedicated ' if dedicated else ''}PS{'' if dedicated else ' alongside'}"] if ps else []
     if (row.get("gpus_per_node") or 1) > 1:
         parts.append(f"x {row['gpus_per_node']} replicas")
-    parts += [f"{k.split('.')[-1]}={v}" for k, v in figures.rest(row.get("cell", {})).items()
+    parts += [f"{k.split('.')[-1]}={v}" for k, v in scaling.rest(row.get("cell", {})).items()
               if k != "cluster.gpus_per_node"]
     if "cell" not in row and row.get("label"):  # a run directory of its own: its name tells it apart
         parts.append(row["label"])
@@ -134,13 +137,13 @@ def bench_plots(rows: list[dict], out: Path, made: list) -> None:
         series = _series(g)
         bases = {}  # the baseline of each series that is not its own (one line for series sharing one)
         for label, s in series.items():
-            pts = [r for r in s if figures.measured(r)]  # a run with no timed window has no point
+            pts = [r for r in s if scaling.measured(r)]  # a run with no timed window has no point
             ax.errorbar([r["nodes"] for r in pts], [r["images_per_sec"] for r in pts], color=vc[label],
-                        yerr=[figures.throughput_se(r) for r in pts], marker="o", capsize=3,
+                        yerr=[scaling.throughput_se(r) for r in pts], marker="o", capsize=3,
                         label=label if len(series) > 1 else None)
             _flagged(ax, pts, "nodes", "images_per_sec")
-            base = figures.baseline(s[0], rows)
-            if base is not None and figures.measured(base) and all(base is not r for r in s):
+            base = scaling.baseline(s[0], rows)
+            if base is not None and scaling.measured(base) and all(base is not r for r in s):
                 bases.setdefault(id(base), (base, vc[label]))
         for base, colour in bases.values():
             ax.axhline(base["images_per_sec"], color=colour if len(bases) > 1 else "0.35", ls=":", lw=1.2,
@@ -161,13 +164,18 @@ def _flagged(ax, rows: list[dict], x: str, y: str) -> None:
     pts = [r for r in rows if y in (r.get("flagged") or ())]
     if pts:
         ax.plot([r[x] for r in pts], [r[y] for r in pts], "o", ms=13, mfc="none", mec="red", mew=1.8,
-                label=f"flagged {figures.MARK} (see the table)")
+                label=f"flagged {MARK} (see the table)")
 
 
-def _curves(run_dir: str) -> dict[str, list[dict]]:
-    from .study import curves
-
-    return curves(Path(run_dir))
+def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The chief's train and eval rows from metrics.jsonl, each with `t` = training seconds
+    since the run began (time spent evaluating left out, so evaluation cadence does not count)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("rank", 0) == 0]
+    t0 = next((r["time"] - r["wall"] for r in rows if "wall" in r), rows[0]["time"] if rows else 0.0)
+    for r in rows:
+        r["t"] = r.get("train_wall", r["time"] - t0)  # runs written before train_wall: wall clock
+    return {"train": [r for r in rows if r["kind"] == "train"], "eval": [r for r in rows if r["kind"] == "eval"]}
 
 
 def _node_label(r: dict, series_count: int) -> str:
@@ -181,12 +189,12 @@ def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
     rows = [r for r in rows if not r.get("error") and (Path(r["run_dir"]) / "metrics.jsonl").exists()]
     if not rows:
         return
-    curves = {id(r): _curves(r["run_dir"]) for r in rows}
+    by_run = {id(r): curves(Path(r["run_dir"])) for r in rows}
     groups, colour = by_strategy(rows), _nodes_colours(rows)
     plots = [(prefix + "loss-time.png", "train", "t", "loss", "training seconds", "train loss",
               "Train loss against training time"),
              (prefix + "loss-steps.png", "train", "step", "loss", "step", "train loss", "Train loss against steps")]
-    if any(curves[id(r)]["eval"] for r in rows):
+    if any(by_run[id(r)]["eval"] for r in rows):
         plots.append((prefix + "accuracy-time.png", "eval", "t", "test_accuracy", "training seconds",
                       "test accuracy", "Test accuracy against training time"))
     for name, kind, x, y, xlabel, ylabel, title in plots:
@@ -194,7 +202,7 @@ def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
         for ax, (strategy, g) in zip(axes, groups.items()):
             series = _series(g)
             for r in g:
-                c = curves[id(r)][kind]
+                c = by_run[id(r)][kind]
                 ax.plot([p[x] for p in c], [p[y] for p in c], color=colour[r["nodes"]],
                         marker="." if kind == "eval" else None, lw=1.2,
                         ls="-" if len(series) == 1 else ["-", "--", ":", "-."][list(series).index(variant(r)) % 4],

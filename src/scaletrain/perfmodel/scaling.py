@@ -1,6 +1,6 @@
-"""The study's figures from result rows: speedup, efficiency and their uncertainty.
+"""The study's definitions of speedup and efficiency, and their uncertainty, over result rows.
 
-Definitions (the study's, used by bench, report, predict and predict --validate):
+Definitions (the study's, used alike by bench, report, predict and predict --validate):
 - baseline: ONE node with NO distribution: the same replicas per node
   (cluster.gpus_per_node), averaged inside the node by all-reduce, no PS
   (`BASELINE`: strategy.name = allreduce, cluster.nodes = 1, cluster.num_ps = 0),
@@ -12,6 +12,10 @@ Definitions (the study's, used by bench, report, predict and predict --validate)
   same strategy's configuration with the fewest nodes, other keys the same.
 Uncertainties are standard errors; a ratio's relative error is the root sum of
 squares of its parts'.
+
+They live in the performance model, not in the study that measures them: a prediction and its
+validation against a bench must use the very definitions the bench uses, and the model is the
+layer below the study. The study's tables of these figures are study/figures.py.
 
 Pure functions over dicts: no torch, no files.
 """
@@ -34,22 +38,18 @@ def baseline_cell(cell: dict[str, str]) -> dict[str, str]:
     """The grid cell of a cell's baseline: its other keys, with the baseline's settings."""
     return {**rest(cell), **{k: str(v) for k, v in BASELINE.items()}}
 
-
 def is_baseline(settings: dict[str, Any]) -> bool:
     """Whether a flat config has the baseline's settings (a key it lacks counts as the baseline's)."""
     return all(settings.get(k, v) == v for k, v in BASELINE.items())
-
 
 def _ran_baseline(row: dict[str, Any]) -> bool:
     """Whether a result row ran the baseline: its summary fields, and its resolved config for the rest."""
     return is_baseline({**(row.get("config") or {}), "strategy.name": row["strategy"], "cluster.nodes": row["nodes"],
                         "cluster.num_ps": row.get("num_ps") or 0})
 
-
 def rest(cell: dict[str, str]) -> dict[str, str]:
     """A grid cell without its distribution keys: what a configuration and its baseline share."""
     return {k: v for k, v in cell.items() if k not in DISTRIBUTION_KEYS}
-
 
 def _same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Same data kind, emulated compute, replicas per node and non-distribution grid keys."""
@@ -57,12 +57,10 @@ def _same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
             and (a.get("emulated_compute_s") or 0) == (b.get("emulated_compute_s") or 0)
             and rest(a.get("cell", {})) == rest(b.get("cell", {})))
 
-
 def baseline(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The row of row's baseline (the first measured one); None when rows have none (then no
     speedup is claimed)."""
     return next((r for r in rows if not r.get("error") and _ran_baseline(r) and _same_work(r, row)), None)
-
 
 def own_smallest(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The measured row of the same strategy and other keys with the fewest nodes used
@@ -70,31 +68,26 @@ def own_smallest(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, A
     same = [r for r in rows if not r.get("error") and r["strategy"] == row["strategy"] and _same_work(r, row)]
     return min(same, key=lambda r: (r["nodes_total"], r["nodes"])) if same else None
 
-
 def measured(row: dict[str, Any]) -> bool:
     """Whether a row's throughput was measured: a run with no timed window has none (null; 0.0
     in summaries written before nulls)."""
     return row.get("images_per_sec") is not None and row.get("timed_windows") != 0
-
 
 def ratio(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
     """a / b and its standard error."""
     r = a / b
     return r, abs(r) * math.hypot(a_se / a if a else 0.0, b_se / b if b else 0.0)
 
-
 def throughput_se(row: dict[str, Any]) -> float:
     """A row's throughput uncertainty: the larger of the standard error within its runs and,
     with repeats, that across them (so neither a quiet run nor a lucky pair hides the spread)."""
     return max(row.get("images_per_sec_stderr") or 0.0, row.get("images_per_sec_run_stderr") or 0.0)
-
 
 def scaling(images_per_sec: float, se: float, base_images_per_sec: float, base_se: float,
             nodes_total: int) -> dict[str, float]:
     """Speedup, its standard error and efficiency of a throughput against its baseline's."""
     s, s_se = ratio(images_per_sec, se, base_images_per_sec, base_se)
     return {"speedup": s, "speedup_stderr": s_se, "efficiency": s / nodes_total}
-
 
 def add_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with speedup, speedup_stderr, efficiency and baseline (the baseline's setup), and
@@ -119,7 +112,6 @@ def add_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(row)
     return out
 
-
 def setup(row: dict[str, Any]) -> str:
     """'mixed-async, 7 nodes (4 workers + 3 dedicated PS)' in the study's words (a worker is
     a node's worker; 'x 2 replicas' when it drives several GPUs)."""
@@ -136,51 +128,7 @@ def setup(row: dict[str, Any]) -> str:
     return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
             f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{other}{data}")
 
-
 def emulated_compute(row: dict[str, Any]) -> str:
     """', emulated compute 0.2 s' for a row whose replicas emulated their GPUs (train.emulate_compute_s)."""
     t = row.get("emulated_compute_s")
     return f", emulated compute {t:g} s" if t else ""
-
-
-def throughput_text(row: dict[str, Any]) -> str:
-    """'123.4 ± 1.2', and with repeats the spread across runs: '123.4 ± 1.2 (3 runs: ± 2.0)'."""
-    if not measured(row):
-        return "not measured"
-    text = f"{row['images_per_sec']:.1f} ± {row.get('images_per_sec_stderr') or 0:.1f}"
-    runs = row.get("images_per_sec_runs") or []
-    if len(runs) > 1:
-        text += f" ({len(runs)} runs: ± {row.get('images_per_sec_run_stderr') or 0:.1f})"
-    return text
-
-
-MARK = "⚠"  # beside every flagged figure in a table
-
-
-def marked(row: dict[str, Any], key: str, text: str) -> str:
-    """A figure's text with MARK when the row's flag covers it (flags.add_flags)."""
-    return f"{text} {MARK}" if key in (row.get("flagged") or ()) else text
-
-
-def scaling_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: Setup | Throughput | Speedup | Efficiency | Speedup vs own smallest | Flag (rows
-    as given, with add_scaling and flags.add_flags: a flagged figure is marked (MARK) and the Flag
-    column says why). Rows that are a baseline say so; rows the bench added only to be one say
-    that too."""
-    is_base = {id(b) for r in rows if not r.get("error") for b in [baseline(r, rows)] if b is not None}
-    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Speedup vs own smallest | Flag |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        added = " (baseline, not in the grid)" if r.get("added_baseline") else ""
-        if r.get("error"):
-            lines.append(f"| {r.get('label', '?')}{added} | not run: {r['error']} | | | | |")
-            continue
-        name = setup(r) + (added or (" (baseline)" if id(r) in is_base else ""))
-        sp = "-" if r.get("speedup") is None else \
-            marked(r, "speedup", f"{r['speedup']:.2f} ± {r['speedup_stderr']:.2f}")
-        eff = "-" if r.get("efficiency") is None else marked(r, "efficiency", f"{r['efficiency']:.2f}")
-        own = "-" if r.get("speedup_own") is None else \
-            marked(r, "speedup_own", f"{r['speedup_own']:.2f} ± {r['speedup_own_stderr']:.2f}")
-        lines.append(f"| {name} | {marked(r, 'images_per_sec', throughput_text(r))} | {sp} | {eff} | {own} | "
-                     f"{r.get('flag') or ''} |")
-    return "\n".join(lines)

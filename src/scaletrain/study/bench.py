@@ -5,11 +5,11 @@ or Slurm inside an allocation) of warm-up + measured steps, with the first
 `warmup` steps left out of the throughput; evaluation is off. One JSON row
 per cell goes to OUT/bench.jsonl (resolved config, provenance, images/s with
 standard error and jitter, bytes per step, staleness), then speedup and
-efficiency (figures.py) and the flags of figures in doubt (flags.py) are
+efficiency (perfmodel/scaling.py) and the flags of figures in doubt (flags.py) are
 added and the table printed and written to OUT/bench.md. Every cell's config
-and placement is checked before the first one runs (check_cells): a bad grid
+and placement is checked before the first one runs (grid.check_cells): a bad grid
 value ends the sweep in one line.
-Speedup is against one node with no distribution (figures.BASELINE, every
+Speedup is against one node with no distribution (scaling.BASELINE, every
 other key the same): where the grid lacks that cell, it runs first, once
 per distinct set of other keys, as a row marked `added_baseline`. A cell
 that fails as it runs (an added baseline, which is not checked, or one
@@ -24,7 +24,6 @@ show how much separate runs differ, which log windows of one run cannot.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import statistics
@@ -33,8 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import load_config
+from ..errors import ConfigError, Finished, GridError, Stopped
+from ..perfmodel import scaling
+from ..run import run_training
 from . import figures, flags
-from .errors import ConfigError, Finished, GridError, PlanError, Stopped
+from .grid import cell_sets, cells, check_cells, parse_grid
+from .report import write_report
 
 KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "slowest_window_fraction", "timed_windows",
@@ -49,53 +53,6 @@ KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_place
 IMPOSED = ("train.eval_every=0",)
 
 
-def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
-    """Each item is KEY=V1,V2,... or, for keys that move together, K1+K2=A1:A2,B1:B2
-    (e.g. strategy.name+cluster.num_ps=allreduce:0,sync:1)."""
-    grid = []
-    for item in items:
-        key, sep, values = item.partition("=")
-        keys = tuple(k.strip() for k in key.split("+"))
-        vals = [tuple(x.strip() for x in v.split(":")) for v in values.split(",")]
-        if sep and values.strip() and not all(x for v in vals for x in v):
-            raise GridError(f"--grid {item!r}: an empty value; every value between commas (and colons) needs one")
-        if not sep or not all(keys) or not values.strip() or any(len(v) != len(keys) for v in vals):
-            raise GridError(f"--grid {item!r}: write KEY=V1,V2,... (e.g. cluster.nodes=1,2,4) or "
-                            "K1+K2=A1:A2,B1:B2 for keys that move together")
-        grid.append((keys, vals))
-    return grid
-
-
-def cells(grid) -> list[dict[str, str]]:
-    """Every combination of the grid's entries, as {key: value}."""
-    out = []
-    for combo in itertools.product(*(vals for _, vals in grid)):
-        cell = {}
-        for (keys, _), values in zip(grid, combo):
-            cell.update(zip(keys, values))
-        out.append(cell)
-    return out
-
-
-def cell_sets(overrides: list[str], cell: dict[str, str], extra: list[str]) -> list[str]:
-    """The --set list a cell runs with: the user's overrides, the cell's keys, then what the sweep sets."""
-    return [*overrides, *(f"{k}={v}" for k, v in cell.items()), *extra]
-
-
-def check_cells(recipe: str, overrides: list[str], todo: list[tuple[dict[str, str], list[str]]]) -> None:
-    """GridError naming the first (cell, extra sets) whose config or placement (without this host's
-    facts) is invalid, in ConfigError's or PlanError's own words: a bad value in the grid ends the
-    sweep before any cell runs, not as a row after the others have trained."""
-    from .config import load_config
-    from .launch.env import plan_for
-
-    for cell, extra in todo:
-        try:
-            plan_for(load_config(recipe, cell_sets(overrides, cell, extra)))
-        except (ConfigError, PlanError) as e:
-            raise GridError(f"--grid {', '.join(f'{k}={v}' for k, v in cell.items())}: {e}") from None
-
-
 def data_sets(data: str) -> list[str]:
     return ["data.name=synthetic"] if data == "synthetic" else []
 
@@ -108,9 +65,6 @@ def cell_name(i: int, cell: dict[str, str], data: str) -> str:
 def run_cell(recipe: str, sets: list[str], out: Path, name: str, row: dict[str, Any]) -> dict[str, Any] | None:
     """One training run of the recipe with `sets` in OUT/cells/NAME; its summary, or None with
     row["error"] set. The row keeps the run directory relative to OUT, so OUT can be moved."""
-    from .config import load_config
-    from .run import run_training
-
     run_dir = out / "cells" / name
     t0 = time.perf_counter()
     summary = None
@@ -142,7 +96,7 @@ def combine(runs: list[tuple[dict[str, Any], dict[str, Any] | None]], repeats: i
         return None
     ips = [s["images_per_sec"] for _, s in runs]
     row["images_per_sec_runs"] = ips
-    if not all(figures.measured(s) for _, s in runs):  # a mean without that run would hide it
+    if not all(scaling.measured(s) for _, s in runs):  # a mean without that run would hide it
         return {**runs[0][1], "images_per_sec": None, "images_per_sec_stderr": None, "timed_windows": 0}
     within = [s.get("images_per_sec_stderr") or 0.0 for _, s in runs]
     slowest = [s["slowest_window_fraction"] for _, s in runs if s.get("slowest_window_fraction") is not None]
@@ -154,21 +108,19 @@ def combine(runs: list[tuple[dict[str, Any], dict[str, Any] | None]], repeats: i
 
 def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str, str], str]]) \
         -> list[tuple[dict[str, str], str]]:
-    """The baseline cells (figures.baseline_cell) that the (cell, data) plan lacks, once per data
+    """The baseline cells (scaling.baseline_cell) that the (cell, data) plan lacks, once per data
     kind and distinct set of other keys. A cell whose config is invalid needs none: it will not run."""
-    from .config import load_config
-
     have, need = set(), {}
     for cell, data in plan:
-        key = (data, tuple(sorted(figures.rest(cell).items())))
+        key = (data, tuple(sorted(scaling.rest(cell).items())))
         try:
             cfg = load_config(recipe, [*overrides, *(f"{k}={v}" for k, v in cell.items()), *IMPOSED])
         except ConfigError:
             continue
-        if figures.is_baseline(cfg.flat()):
+        if scaling.is_baseline(cfg.flat()):
             have.add(key)
         else:
-            need.setdefault(key, (figures.baseline_cell(cell), data))
+            need.setdefault(key, (scaling.baseline_cell(cell), data))
     return [c for key, c in need.items() if key not in have]
 
 
@@ -208,15 +160,13 @@ def run(recipe: str, overrides: list[str], grid, warmup: int, steps: int,
                 rows.append(row)
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
-    rows = flags.add_flags(figures.add_scaling(rows))
+    rows = flags.add_flags(scaling.add_scaling(rows))
     publish(out, "bench", rows, figures.scaling_table(rows), progress)
     return rows
 
 
 def publish(out: Path, kind: str, rows: list[dict[str, Any]], table: str, progress: bool) -> None:
     """OUT/KIND.md (the table), OUT/KIND-rows.json (what the report reads), then the report."""
-    from .report import write_report
-
     (out / f"{kind}.md").write_text(table + "\n")
     (out / f"{kind}-rows.json").write_text(json.dumps(rows, indent=1) + "\n")
     if progress:
@@ -225,8 +175,6 @@ def publish(out: Path, kind: str, rows: list[dict[str, Any]], table: str, progre
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
-    from .config import load_config
-
     return load_config(run_dir / "config.toml").flat()
 
 

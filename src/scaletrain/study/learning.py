@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import bench, figures, flags
-from .config import load_config
-from .errors import ConfigError, Stopped, UntilError
+from ..config import load_config
+from ..errors import ConfigError, GridError, Stopped, UntilError
+from . import bench, figures
+from .grid import cell_sets, cells, check_cells, parse_grid
 
 
 def parse_until(text: str | None) -> tuple[str, float] | None:
@@ -47,30 +48,19 @@ def until_sets(until: tuple[str, float] | None) -> list[str]:
             "loss": [f"train.target_loss={value}"], None: []}[what]
 
 
-def curves(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """The chief's train and eval rows from metrics.jsonl, each with `t` = training seconds
-    since the run began (time spent evaluating left out, so evaluation cadence does not count)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("rank", 0) == 0]
-    t0 = next((r["time"] - r["wall"] for r in rows if "wall" in r), rows[0]["time"] if rows else 0.0)
-    for r in rows:
-        r["t"] = r.get("train_wall", r["time"] - t0)  # runs written before train_wall: wall clock
-    return {"train": [r for r in rows if r["kind"] == "train"], "eval": [r for r in rows if r["kind"] == "eval"]}
-
-
 def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
         progress: bool = True) -> list[dict[str, Any]]:
     length = until_sets(until)
     rows = []
-    todo = bench.cells(grid)
-    bench.check_cells(recipe, overrides, [(c, length) for c in todo])
+    todo = cells(grid)
+    check_cells(recipe, overrides, [(c, length) for c in todo])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "study.jsonl", "w") as fh:
         for i, cell in enumerate(todo):
             label = ", ".join(f"{k}={v}" for k, v in cell.items())
             print(f"[{i + 1}/{len(todo)}] {label}", flush=True)
             row: dict[str, Any] = {"cell": cell, "label": label, "until": list(until) if until else None}
-            s = bench.run_cell(recipe, bench.cell_sets(overrides, cell, length), out,
+            s = bench.run_cell(recipe, cell_sets(overrides, cell, length), out,
                                bench.cell_name(i, cell, "real"), row)
             if s is not None:
                 row.update({k: s.get(k) for k in bench.KEEP})
@@ -82,61 +72,19 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
-    rows = add_improvement(rows, until)
-    bench.publish(out, "study", rows, study_table(rows, until), progress)
+    rows = figures.add_improvement(rows, until)
+    bench.publish(out, "study", rows, figures.study_table(rows, until), progress)
     return rows
-
-
-def _time(row: dict[str, Any], until) -> float | None:
-    return row.get("time_to_target") if until and until[0] != "epochs" else row.get("train_seconds")
-
-
-def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
-    ok = [r for r in rows if not r.get("error")]
-    base = min(ok, key=lambda r: r["replicas"]) if ok else None  # the first one of the fewest replicas
-    if base is not None and not _time(base, until):
-        base = None
-    out = []
-    for orig in rows:
-        r = dict(orig)
-        t = _time(r, until)
-        r["improvement"] = (_time(base, until) / t) if base is not None and t else None
-        r["baseline"] = base["label"] if base is not None else None
-        r["flag"], r["flagged"] = flags.improvement_flag(r, None if base is orig else base,
-                                                     bool(until and until[0] != "epochs"))
-        out.append(r)
-    return out
-
-
-def study_table(rows: list[dict[str, Any]], until) -> str:
-    target = until and until[0] != "epochs"
-    when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
-        else "Training time"
-    images = " | Images to target" if target else ""
-    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement | Flag |",
-             "|---|---|---|---|---|---|---|" + ("---|" if target else "")]
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | | |")
-            continue
-        acc = "-" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f} ({r['best_test_accuracy']:.4f})"
-        t = _time(r, until)
-        imp = "-" if r.get("improvement") is None else figures.marked(r, "improvement", f"{r['improvement']:.2f}x")
-        n = (" | -" if r.get("images_to_target") is None else f" | {r['images_to_target']:,}") if target else ""
-        lines.append(f"| {figures.setup(r)} | {r['replicas']} | {acc} | "
-                     f"{'not reached' if t is None else figures.marked(r, 'time', f'{t:.1f} s')}{n} | {r['steps']} | "
-                     f"{imp} | {r.get('flag') or ''} |")
-    return "\n".join(lines)
 
 
 def main(args) -> int:
     out = Path(args.out or f"runs/study-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        grid = bench.parse_grid(args.grid)
+        grid = parse_grid(args.grid)
         until = parse_until(args.until)
         load_config(args.recipe, [*args.overrides, *until_sets(until)])  # e.g. a target with no evaluations
         rows = run(args.recipe, args.overrides, grid, until, out)  # a bad cell: GridError before any runs
-    except (bench.GridError, UntilError, ConfigError) as e:
+    except (GridError, UntilError, ConfigError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:

@@ -1,9 +1,10 @@
 """Flags on result rows: figures that cannot be true of the job, each with its reason in words.
 
 A throughput measured while another process took the host is not the job's, and neither is
-a figure built on it: a baseline of 0.4 ± 0.2 img/s makes a 2-node efficiency of 3.43. A
-row's `flag` says which figures are in doubt and why ("efficiency 3.43 ± 1.71 > 1: baseline
-unsteady (±50%); rerun with --repeats 3"), and `flagged` names them, so that tables, JSON and
+a figure built on it: a baseline slowed to a fraction of its rate puts every configuration
+measured against it above its bound (an efficiency above 1). A row's `flag` says which
+figures are in doubt and why ("efficiency 3.43 ± 1.71 > 1: baseline unsteady (±50%); rerun
+with --repeats 3"), and `flagged` names them, so that tables, JSON and
 the report never publish such a figure plain. A figure derived from a flagged throughput is
 flagged with it: speedup and efficiency from their baseline's, a study's improvement from
 its first configuration's. The bounds and their reasons are here and nowhere else.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import figures
+from ..perfmodel import scaling
 
 # A throughput whose relative standard error passes this is unsteady: quiet cells of a bench
 # stay within a few percent, and at ±10% the gaps between strategies (often 10-20%) are lost.
@@ -31,10 +32,10 @@ Z = 2.0
 
 def rate_doubts(row: dict[str, Any]) -> list[str]:
     """Why a measured throughput is not the job's, in a few words each; [] when nothing is doubted."""
-    if not figures.measured(row):
+    if not scaling.measured(row):
         return []
     out = []
-    rel = figures.throughput_se(row) / row["images_per_sec"] if row["images_per_sec"] else 0.0
+    rel = scaling.throughput_se(row) / row["images_per_sec"] if row["images_per_sec"] else 0.0
     if rel > SPREAD:
         out.append(f"unsteady (±{rel:.0%})")
     slowest = row.get("slowest_window_fraction")
@@ -66,7 +67,7 @@ def scaling_flag(row: dict[str, Any], base: dict[str, Any] | None,
     baseline and own smallest rows, or None). A figure above its bound (efficiency above 1,
     speedup above the replicas' ratio) is flagged when its inputs are in doubt, or on its own
     when it passes the bound beyond its uncertainty."""
-    if not figures.measured(row):
+    if not scaling.measured(row):
         return "not measured: no log window after the warm-up; raise --steps", ["images_per_sec"]
     mine = rate_doubts(row)
     over, causes, flagged = [], list(mine), ["images_per_sec"] if mine else []
@@ -101,7 +102,7 @@ def add_flags(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for orig in rows:
         row = dict(orig)
         row["flag"], row["flagged"] = (None, []) if row.get("error") else \
-            scaling_flag(orig, figures.baseline(orig, rows), figures.own_smallest(orig, rows))
+            scaling_flag(orig, scaling.baseline(orig, rows), scaling.own_smallest(orig, rows))
         out.append(row)
     return out
 
@@ -126,7 +127,7 @@ def improvement_flag(row: dict[str, Any], base: dict[str, Any] | None, target: b
     bound, why = _replicas(row) / _replicas(base), "the replicas' ratio"
     if not target and row.get("epochs") and base.get("epochs") and row["epochs"] != base["epochs"]:
         bound, why = bound * base["epochs"] / row["epochs"], "the replicas' ratio over the epochs' ratio"
-    rel = [figures.throughput_se(r) / r["images_per_sec"] if figures.measured(r) and r["images_per_sec"] else 0.0
+    rel = [scaling.throughput_se(r) / r["images_per_sec"] if scaling.measured(r) and r["images_per_sec"] else 0.0
            for r in (row, base)]
     beyond = not target and imp - Z * imp * math.hypot(*rel) > bound
     over = [f"improvement {imp:.2f}x > {bound:.3g}x ({why})"] if imp > bound else []

@@ -15,6 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..perfmodel import scaling
+from ..perfmodel.validate import validate_table
 from . import figures, flags
 from .plots import bench_plots, learning_plots, predicted_plot, staleness_plot
 
@@ -32,12 +34,11 @@ def _load(dirs: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[di
         if (d / "validate-rows.json").exists():  # `scaletrain predict --validate` against this bench
             predicted += json.loads((d / "validate-rows.json").read_text())["rows"]
         if (d / "bench-rows.json").exists():  # figured again, so older outputs read as today's definitions
-            bench_rows += flags.add_flags(figures.add_scaling(rows_of(d / "bench-rows.json")))
+            bench_rows += flags.add_flags(scaling.add_scaling(rows_of(d / "bench-rows.json")))
         elif (d / "study-rows.json").exists():
-            from .study import add_improvement
-
             rows = rows_of(d / "study-rows.json")
-            study_rows += add_improvement(rows, tuple(rows[0]["until"]) if rows and rows[0].get("until") else None)
+            until = tuple(rows[0]["until"]) if rows and rows[0].get("until") else None
+            study_rows += figures.add_improvement(rows, until)
         elif (d / "summary.json").exists():
             s = json.loads((d / "summary.json").read_text())
             runs.append({**s, "label": d.name, "run_dir": str(d)})
@@ -67,11 +68,9 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         sections.append(("Throughput, speedup and efficiency", figures.scaling_table(bench_rows), DEFINITIONS))
         bench_plots(bench_rows, out, made)
     if study_rows:
-        from .study import study_table
-
         until = study_rows[0].get("until")
         until = tuple(until) if until else None
-        sections.append(("Learning: accuracy and time", study_table(study_rows, until), STUDY_DEFINITIONS))
+        sections.append(("Learning: accuracy and time", figures.study_table(study_rows, until), STUDY_DEFINITIONS))
         learning_plots(study_rows, out, made, "study-", until)
     if runs:
         lines = ["| Run | Strategy | Replicas | Steps | img/s | Test accuracy | Flag |",
@@ -84,8 +83,6 @@ def write_report(dirs: list[Path], out: Path) -> Path:
         sections.append(("Runs", "\n".join(lines), ""))
         learning_plots(runs, out, made, "runs-")
     if predicted:
-        from .perfmodel.commands import validate_table
-
         err = statistics.median(abs(r["rel_error"]) for r in predicted)
         sections.append(("Predicted against measured", validate_table(predicted),
                          f"Performance model (scaletrain predict --validate): median absolute error {err:.1%} "
