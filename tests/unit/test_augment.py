@@ -13,7 +13,7 @@ from PIL import Image
 from scaletrain.config import AUGMENTATIONS, ConfigError, load_config
 from scaletrain.data import Prepare
 from scaletrain.data.augment import ASPECT, Augment, centre
-from scaletrain.data.decode import decode, image_size, load
+from scaletrain.data.decode import decode, image_size, load, reduced_box
 from scaletrain.data.loader import Samples, collate
 from scaletrain.data.sources import IMAGENET
 
@@ -139,6 +139,19 @@ def test_reduced_scale_decode_keeps_the_box_and_size():
         return (full.float() - ref).abs().mean().item()
 
     assert error(100) < 2.5 and error(100) < min(error(90), error(110))  # 1.8 against 2.8 and 6.1
+
+
+@pytest.mark.parametrize("box,full,reduced,expected", [
+    ((0, 100, 600, 600), (800, 600), (200, 150), (0, 25, 150, 150)),    # the centre square at 1/4
+    ((37, 211, 402, 380), (800, 600), (100, 75), (4, 26, 50, 48)),      # a crop at 1/8: truncated corner
+    ((0, 0, 601, 801), (801, 601), (401, 301), (0, 0, 301, 401)),       # odd sides round up, kept inside
+    ((599, 799, 1, 1), (800, 600), (100, 75), (74, 99, 1, 1)),          # a corner pixel stays a pixel
+    ((10, 20, 30, 40), (800, 600), (800, 600), (10, 20, 30, 40)),       # no reduction: the box itself
+])
+def test_a_box_in_the_reduced_decode_is_the_same_part_of_the_picture(box, full, reduced, expected):
+    """The pixel test above can only see a box several pixels off (a reduced decode samples
+    differently from a resize); this one sees one reduced pixel."""
+    assert reduced_box(box, full, reduced) == expected
 
 
 def test_bad_bytes_become_a_named_bad_image():

@@ -80,9 +80,16 @@ def load(data: bytes, box_of, size: int) -> torch.Tensor:
     while k < 8 and min(bw, bh) >= 2 * k * size:
         k *= 2
     pixels = decode(data, (-(-w // k), -(-h // k)) if k > 1 else (0, 0))
-    fh, fw = pixels.shape[:2]
-    if (fw, fh) != (w, h):  # the box in the reduced image's pixels
-        sy, sx = fh / h, fw / w
-        top, left = int(top * sy), int(left * sx)
-        bh, bw = max(1, min(fh - top, round(bh * sy))), max(1, min(fw - left, round(bw * sx)))
-    return fit(torch.from_numpy(pixels), (top, left, bh, bw), size)
+    box = reduced_box((top, left, bh, bw), (w, h), pixels.shape[1::-1])
+    return fit(torch.from_numpy(pixels), box, size)
+
+
+def reduced_box(box: tuple[int, int, int, int], full: tuple[int, int], reduced: tuple[int, int]):
+    """The box (top, left, height, width) of a (width, height) image in the pixels of its reduced
+    decode (width, height), kept inside it and at least one pixel on each side."""
+    (top, left, bh, bw), (w, h), (fw, fh) = box, full, reduced
+    if (fw, fh) == (w, h):
+        return box
+    sy, sx = fh / h, fw / w
+    top, left = int(top * sy), int(left * sx)
+    return top, left, max(1, min(fh - top, round(bh * sy))), max(1, min(fw - left, round(bw * sx)))
