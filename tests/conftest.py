@@ -11,7 +11,9 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -45,3 +47,16 @@ def env():
     e = dict(os.environ)
     e["OMP_NUM_THREADS"] = "1"
     return e
+
+
+def write_images(root, classes=("happy_baby", "crying_baby", "sad_dog"), per_class=4, size=(20, 14)):
+    rng = np.random.RandomState(0)
+    rows = []
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            arr = rng.randint(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+            name = f"{c}/{i}.png" if i % 2 else f"{c}/{i}.jpg"
+            Image.fromarray(arr).save(root / name)
+            rows.append((name, c))
+    return rows
