@@ -97,8 +97,8 @@ class DataConfig:
     root: str = opt("", "imagefolder: directory root/CLASS/*.jpg|png; manifest: CSV file of path,label; "
                     "shards: directory written by scaletrain pack")
     test_root: str = opt("", "optional held-out set in the same form as root ('' = split off test_fraction)")
-    test_fraction: float = opt(0.1, "fraction of root held out for testing when test_root is empty (0..0.9)",
-                               lo=0.0, hi=0.9)
+    test_fraction: float = opt(0.1, "fraction of root (or of a factory's Dataset) held out for testing when "
+                               "test_root is empty (0..0.9)", lo=0.0, hi=0.9)
     image_size: int = opt(32, "side of the square network input, pixels (8..1024)", lo=8, hi=1024)
     batch_size: int = opt(32, "images per replica per step (1..4096)", lo=1, hi=4096)
     augment: list = opt([], "training augmentations, a list of resized-crop | crop | flip | rotation | lens | "

@@ -51,7 +51,7 @@ def test_a_tuple_gives_its_own_split_classes_and_stats(digits_cfg):
 def test_replica_batches_of_a_users_dataset_are_the_single_batch(digits_cfg, name):
     world, b = 2, 8
     one = digits_cfg(f"data.name=user_data:{name}", "data.args={count = 200}", f"data.batch_size={world * b}",
-                     "data.augment=crop+flip")
+                     "data.augment=crop+flip", "data.workers=1")
     shard = one.replace(**{"data.batch_size": b})
     tr, _, _ = build_datasets(one)
     single, _ = train_loader(tr, one, start=3, stop=20)  # past the first epoch (8 or 6 steps): reshuffled
