@@ -3,6 +3,7 @@ every process imports the module, which PYTHONPATH makes importable where the jo
 
 import json
 import os
+import re
 
 import torch
 from safetensors.torch import load_file
@@ -12,16 +13,25 @@ from scaletrain.cli import main
 from conftest import RECIPES, ROOT
 
 
-def run(tmp_path, monkeypatch, name, *overrides, resume=False):
+def importable(monkeypatch, *folders):
     # the launcher's starter is a new interpreter: it finds the user's module as a user's job would
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src"),
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([*map(str, folders), str(ROOT / "src"),
                                                       os.environ.get("PYTHONPATH", "")]))
-    run_dir = tmp_path / name
+
+
+def train_args(run_dir, *overrides, resume=False):
     args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--quiet",
             *(["--resume"] if resume else [])]
     for o in ["data.workers=0", "train.log_every=1", *overrides]:
         args += ["--set", o]
-    assert main(args) == 0, sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else run_dir
+    return args
+
+
+def run(tmp_path, monkeypatch, name, *overrides, resume=False):
+    importable(monkeypatch, ROOT / "tests")
+    run_dir = tmp_path / name
+    assert main(train_args(run_dir, *overrides, resume=resume)) == 0, \
+        sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else run_dir
     return json.loads((run_dir / "summary.json").read_text()), load_file(str(run_dir / "model.safetensors"))
 
 
@@ -56,3 +66,18 @@ def test_a_resumed_job_on_a_users_dataset_is_the_straight_job(tmp_path, monkeypa
     # and the comparison can tell runs apart: a step fewer differs
     _, shorter = run(tmp_path, monkeypatch, "shorter", *setup, "train.steps=9")
     assert max_diff(straight, shorter) > 1e-3
+
+
+def test_processes_that_cannot_import_the_users_module_say_so_in_one_line(tmp_path, monkeypatch, capfd):
+    """The launcher imports the module (here: pytest has tests/ on its path), the job's processes
+    do not (not on their PYTHONPATH): as a module found on a login node but not on the compute nodes.
+    Each process stops with one line naming data.name, not a traceback."""
+    importable(monkeypatch)
+    run_dir = tmp_path / "run"
+    assert main(train_args(run_dir, "data.name=user_data:digits", "cluster.nodes=2")) == 1
+    # the chief's line on the terminal, the other's in its log
+    out = capfd.readouterr().err + "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
+    said = re.findall(r"scaletrain: error: rank \d \(worker \d on node \d\): data\.name = 'user_data:digits': "
+                      r"module user_data does not import: ModuleNotFoundError: No module named 'user_data' \(it must "
+                      r"be importable where the job runs, on every node", out)
+    assert len(said) == 2 and "Traceback" not in out, out
