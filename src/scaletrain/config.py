@@ -21,6 +21,7 @@ import tomli_w
 
 from .device import refused
 from .errors import ConfigError
+from .imports import is_import_path
 from .strategies.traits import REGISTRY
 
 
@@ -42,6 +43,19 @@ def parse_augment(value) -> list[str]:
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not an augmentation; choose from {', '.join(AUGMENTATIONS)}")
     return [n for n in AUGMENTATIONS if n in names]
+
+
+# data.name's built-in sources; any other name is a user's factory, package.module:factory (data/user.py).
+DATA_SOURCES = ("digits", "synthetic", "imagefolder", "manifest", "shards")
+
+
+def parse_data_name(value):
+    """data.name as given -> itself, when it is a built-in source or has the form package.module:factory;
+    ValueError naming what is allowed. Not imported here: config validation runs no user code."""
+    if isinstance(value, str) and value not in DATA_SOURCES and not is_import_path(value):
+        raise ValueError(f"not a dataset; choose one of {', '.join(DATA_SOURCES)}, or a factory of your own "
+                         "as package.module:factory")
+    return value
 
 
 def parse_lines(value) -> list[str]:
@@ -75,13 +89,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = opt("digits", "dataset: digits | synthetic | imagefolder | manifest | shards",
-                    choices=("digits", "synthetic", "imagefolder", "manifest", "shards"))
+    name: str = opt("digits", "dataset: digits | synthetic | imagefolder | manifest | shards | package.module:factory "
+                    "(a function of yours returning a torch Dataset or (train, test, classes); docs/data.md)",
+                    parse=parse_data_name)
+    args: dict = opt({}, "data.name = package.module:factory: the factory's keyword arguments, a table "
+                     "[data.args] ({} = none)")
     root: str = opt("", "imagefolder: directory root/CLASS/*.jpg|png; manifest: CSV file of path,label; "
                     "shards: directory written by scaletrain pack")
     test_root: str = opt("", "optional held-out set in the same form as root ('' = split off test_fraction)")
-    test_fraction: float = opt(0.1, "fraction of root held out for testing when test_root is empty (0..0.9)",
-                               lo=0.0, hi=0.9)
+    test_fraction: float = opt(0.1, "fraction of root (or of a factory's Dataset) held out for testing when "
+                               "test_root is empty (0..0.9)", lo=0.0, hi=0.9)
     image_size: int = opt(32, "side of the square network input, pixels (8..1024)", lo=8, hi=1024)
     batch_size: int = opt(32, "images per replica per step (1..4096)", lo=1, hi=4096)
     augment: list = opt([], "training augmentations, a list of resized-crop | crop | flip | rotation | lens | "
@@ -324,8 +341,16 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
 
 
 def _check_relations(cfg: Config) -> None:
-    if cfg.data.name in ROOTS and not cfg.data.root:
-        raise ConfigError(f"data.root is empty: data.name = {cfg.data.name!r} needs a {ROOTS[cfg.data.name]}")
+    d = cfg.data
+    if d.name in ROOTS and not d.root:
+        raise ConfigError(f"data.root is empty: data.name = {d.name!r} needs a {ROOTS[d.name]}")
+    if d.args and d.name in DATA_SOURCES:
+        raise ConfigError(f"data.args = {d.args!r}: the keyword arguments of a factory (data.name = "
+                          f"package.module:factory); data.name = {d.name!r} takes none")
+    for key in ("root", "test_root"):
+        if getattr(d, key) and d.name not in DATA_SOURCES:
+            raise ConfigError(f"data.{key} = {getattr(d, key)!r}: data.name = {d.name!r} reads no files of its own; "
+                              "give the factory its paths in [data.args]")
     if cfg.train.steps == 0 and cfg.train.epochs <= 0:
         raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
     s, c = cfg.strategy, cfg.cluster

@@ -1,7 +1,8 @@
 """A config's datasets: the one place that picks a source by data.name.
 
 build_datasets makes the (train, test, class names) a job's processes train and evaluate on;
-check_data raises, before any process starts, the DataError they would meet doing so.
+check_data raises, before any process starts, the DataError (or, for a user's dataset named by
+import path, the ConfigError) they would meet doing so.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError
+from ..imports import is_import_path
 from .shards import open_shards
 from .sources import FileDataset, digits, file_lists, synthetic
+from .user import user_datasets
 
 
 def build_datasets(cfg, run_dir: Path | None = None, check: bool = True
                    ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
     """(train, test, class names) for a Config; run_dir and check as for file_lists."""
     d, n = cfg.data, cfg.model.num_classes
+    if is_import_path(d.name):
+        return user_datasets(cfg)
     if d.name == "digits":
         _digits_fit(n)
         return digits(d.image_size)
@@ -33,10 +38,13 @@ def build_datasets(cfg, run_dir: Path | None = None, check: bool = True
 def check_data(cfg, run_dir: Path | None = None) -> None:
     """The DataError the job's processes would meet building cfg's datasets, raised here first: a
     launcher checks before it makes the run directory or starts a process. Files are listed and
-    checked, not read; the built-in sets are not made. With run_dir, a manifest's check is recorded
-    there (file_lists), so that the job's chief does not make it again."""
+    checked, not read; the built-in sets are not made. A user's dataset is made, and its first
+    sample of each split read (user.py). With run_dir, a manifest's check is recorded there
+    (file_lists), so that the job's chief does not make it again."""
     d = cfg.data
-    if d.name == "digits":
+    if is_import_path(d.name):
+        user_datasets(cfg)
+    elif d.name == "digits":
         _digits_fit(cfg.model.num_classes)
     elif d.name == "shards":
         open_shards(d.root, cfg.model.num_classes, d.shuffle_buffer)

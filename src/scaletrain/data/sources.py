@@ -1,4 +1,5 @@
-"""Datasets: digits, synthetic, imagefolder, manifest (shards: shards.py; a config's: build.py).
+"""Datasets: digits, synthetic, imagefolder, manifest (shards: shards.py; a user's: user.py; a
+config's: build.py).
 
 Every dataset maps an index to (image, label): the encoded bytes of a file,
 or pixels already decoded (HWC uint8); `name(i)` says which file or sample
@@ -112,11 +113,17 @@ def synthetic(size: int, num_classes: int, length: int) -> tuple[TensorDataset, 
             [str(i) for i in range(num_classes)])
 
 
+def held_out(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) positions of n samples, round(n x fraction) of them held out for testing: a
+    fixed split, the same test set for every train.seed (so runs of several seeds compare)."""
+    order = np.random.RandomState(0).permutation(n)
+    n_test = int(round(n * fraction))
+    return order[n_test:], order[:n_test]
+
+
 def _split(paths: list[str], labels: list[int], fraction: float) -> tuple[tuple, tuple]:
-    order = np.random.RandomState(0).permutation(len(paths))  # same test set for every seed
-    n_test = int(round(len(paths) * fraction))
     pick = lambda idx: ([paths[i] for i in idx], [labels[i] for i in idx])  # noqa: E731
-    return pick(order[n_test:]), pick(order[:n_test])
+    return tuple(pick(idx) for idx in held_out(len(paths), fraction))
 
 
 def scan_folder(root: str, num_classes: int, classes: list[str] | None = None) -> tuple[list, list, list]:

@@ -23,7 +23,7 @@ from .. import stats
 from ..comm import end, groups, liveness
 from ..config import load_config
 from ..device import facts
-from ..errors import EXIT_PEER, USER_ERRORS, PlanError, Stopped
+from ..errors import EXIT_PEER, USER_ERRORS, ConfigError, PlanError, Stopped
 from ..metrics import start_up
 from ..ps.server import run_shard
 from ..train import train
@@ -92,6 +92,10 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None = Non
         print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
         end.abort(ctx)
         return 1
+    except ConfigError as e:  # a user's dataset that does not import or build here (data/user.py)
+        print(f"scaletrain: error: {ctx.describe(rank)}: {e}", file=sys.stderr, flush=True)
+        end.abort(ctx)
+        return 2
     except KeyboardInterrupt:
         end.abort(ctx)
         return 130

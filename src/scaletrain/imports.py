@@ -1,0 +1,45 @@
+"""Objects a recipe names by import path, "package.module:attr" (a user's dataset factory).
+
+The path is checked for its form when the config is read (no import then: config validation
+loads no torch and no user code), and imported where it is used; every failure is a ConfigError
+of one line naming the key and the path, with the message of what went wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from .errors import ConfigError
+
+_NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+FORM = re.compile(rf"{_NAME}:{_NAME}")
+
+
+def is_import_path(text) -> bool:
+    """Whether text has the form package.module:attr (attr may be dotted: module:Class.method)."""
+    return isinstance(text, str) and FORM.fullmatch(text) is not None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as `Type: message`, its lines joined: an error of ours is one line."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def import_path(key: str, path: str):
+    """The object `path` (package.module:attr) names; ConfigError naming `key` and the path when
+    the module does not import or has no such attribute."""
+    module, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever the module raises on import, named in one line
+        raise ConfigError(f"{key} = {path!r}: module {module} does not import: {one_line(e)} "
+                          "(it must be importable where the job runs, on every node: installed or on "
+                          "PYTHONPATH)") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{key} = {path!r}: module {module} has no attribute {attr!r}") from None
+    return obj
