@@ -56,7 +56,7 @@ def parse_lines(value) -> list[str]:
 
 # model.name's built-in networks (models/resnet.py); any other name is an import path (models/factory.py).
 MODELS = ("resnet8", "resnet20", "resnet18", "resnet50")
-# model.name's prefixes that name a network of an optional package, and the extra that installs it.
+# model.name's prefixes that name a network of an optional package, each installed by the extra of its name.
 MODEL_EXTRAS = ("torchvision", "timm")
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 

@@ -52,10 +52,8 @@ def final_layer(model: nn.Module) -> str | None:
     """The name of the model's final layer: the module that holds its last parameter, in the order
     the modules were made (named_parameters'): "fc" for the ResNets. '' when the model itself holds
     it; None without parameters."""
-    last = None
-    for last, _ in model.named_parameters():
-        pass
-    return None if last is None else last.rpartition(".")[0]
+    names = [name for name, _ in model.named_parameters()]
+    return names[-1].rpartition(".")[0] if names else None
 
 
 def load_pretrained(model: nn.Module, path: str | Path, num_classes: int | None = None) -> list[str]:

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..config import MODELS
+from ..config import MODEL_EXTRAS, MODELS
 from ..errors import ModelNameError
 from .resnet import resnet
 
@@ -32,7 +32,7 @@ def build_network(cfg) -> nn.Module:
     if cfg.name in MODELS:
         return resnet(cfg.name, cfg.num_classes, cfg.norm, cfg.width)
     prefix, _, attr = cfg.name.partition(":")
-    factory, said = _extra(cfg, prefix, attr) if prefix in ("torchvision", "timm") else _lookup(cfg, prefix, attr)
+    factory, said = _extra(cfg, prefix, attr) if prefix in MODEL_EXTRAS else _lookup(cfg, prefix, attr)
     call = f"{said}num_classes={cfg.num_classes}{''.join(f', {k}={v!r}' for k, v in cfg.args.items())})"
     try:
         model = factory(num_classes=cfg.num_classes, **cfg.args)
