@@ -77,5 +77,6 @@ def test_batchnorm_user_network_trains_asynchronously(tmp_path, env, shape):
     weights = load_file(str(run_dir / "model.safetensors"))
     own = user_models.batchnorm(10, width=4).state_dict()
     assert weights.keys() == own.keys() and "features.1.running_mean" in weights
+    assert all(weights[k].shape == v.shape for k, v in own.items())  # model.args reached the factory
     assert not torch.equal(weights["features.1.running_mean"], own["features.1.running_mean"])  # it trained
     assert "[model.args]\nwidth = 4" in (run_dir / "config.toml").read_text()
