@@ -67,6 +67,26 @@ def parse_lines(value) -> list[str]:
     return [v.strip() for v in value if v.strip()]
 
 
+# model.name's built-in networks (models/resnet.py); any other name is an import path (models/factory.py).
+MODELS = ("resnet8", "resnet20", "resnet18", "resnet50")
+# model.name's prefixes that name a network of an optional package, each installed by the extra of its name.
+MODEL_EXTRAS = ("torchvision", "timm")
+
+
+def parse_model_name(value):
+    """model.name as given -> itself, when it is a built-in network or an import path of the form
+    package.module:factory, torchvision:NAME or timm:NAME; ValueError saying the forms otherwise.
+    Only the form is checked here (no import: config loads no torch); models/factory.py builds it."""
+    if not isinstance(value, str) or value in MODELS:
+        return value  # not a string: the type check says so
+    prefix, colon, attr = value.partition(":")
+    if colon and (prefix in MODEL_EXTRAS and attr and not any(c.isspace() for c in attr)
+                  or is_import_path(value)):
+        return value
+    raise ValueError(f"not a built-in network ({', '.join(MODELS)}) nor an import path "
+                     "package.module:factory, torchvision:NAME or timm:NAME")
+
+
 def opt(default, doc: str, *, choices=None, lo=None, hi=None, parse=None):
     """A config field: default, one-line doc (unit, range), optional checks; `parse` turns what a
     recipe may write into the stored value, raising ValueError with what is allowed."""
@@ -78,13 +98,17 @@ def opt(default, doc: str, *, choices=None, lo=None, hi=None, parse=None):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = opt("resnet20", "network: resnet8 | resnet20 (CIFAR-style) | resnet18 | resnet50",
-                    choices=("resnet8", "resnet20", "resnet18", "resnet50"))
+    name: str = opt("resnet20", "network: resnet8 | resnet20 (CIFAR-style) | resnet18 | resnet50, or your own by "
+                    "import path: package.module:factory (called with num_classes= and model.args; the module "
+                    "importable on every node) | torchvision:NAME | timm:NAME (extras scaletrain[torchvision], "
+                    "scaletrain[timm])", parse=parse_model_name)
     num_classes: int = opt(1200, "number of output classes (1..100000)", lo=1, hi=100_000)
-    norm: str = opt("batch", "normalisation layer: batch (BatchNorm) | group (GroupNorm, batch-independent)",
-                    choices=("batch", "group"))
-    width: int = opt(16, "channels of the first stage of CIFAR-style nets (4..256)", lo=4, hi=256)
+    norm: str = opt("batch", "built-in ResNets: normalisation layer: batch (BatchNorm) | group (GroupNorm, "
+                    "batch-independent)", choices=("batch", "group"))
+    width: int = opt(16, "built-in CIFAR-style ResNets: channels of the first stage (4..256)", lo=4, hi=256)
     init_from: str = opt("", "pretrained weights: path to .safetensors or a torch state dict ('' = random init)")
+    args: dict = opt({}, "an import-path model.name's factory: its keyword arguments besides num_classes, a "
+                     "table: [model.args] in a recipe, --set model.args.KEY=VALUE ({} = none)")
 
 
 @dataclass(frozen=True)
@@ -270,6 +294,9 @@ def field_docs() -> dict[str, str]:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, dict):  # an inline table (model.args): tomli_w writes a dict as a table of its own
+        keys = (tomli_w.dumps({k: 0}).rsplit("=", 1)[0].strip() for k in v)
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in zip(keys, v.values())) + "}"
     return tomli_w.dumps({"v": v}).split("=", 1)[1].strip()
 
 
@@ -315,14 +342,21 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
         if not isinstance(table, dict):
             raise ConfigError(f"{origin}: [{sec}] must be a table of keys")
         merged[sec] = dict(table)
+    hints = get_type_hints(Config)
+    tables = {(s, k) for s in SECTIONS for k, t in get_type_hints(hints[s]).items() if t is dict}
     for item in overrides:
         path, value = _parse_override(item)
+        if len(path) == 3 and tuple(path[:2]) in tables:  # one key of a table such as model.args
+            table = merged.setdefault(path[0], {})
+            sub = table.get(path[1])
+            table[path[1]] = {**(sub if isinstance(sub, dict) else {}), path[2]: value}
+            given[".".join(path[:2])] = item
+            continue
         if len(path) != 2 or path[0] not in SECTIONS:
             raise ConfigError(f"--set {item!r}: key must be SECTION.KEY with SECTION one of "
-                              f"{', '.join(SECTIONS)}")
+                              f"{', '.join(SECTIONS)} (or {', '.join(f'{s}.{k}.NAME' for s, k in sorted(tables))})")
         merged.setdefault(path[0], {})[path[1]] = value
         given[".".join(path)] = item
-    hints = get_type_hints(Config)
     built = {}
     for sec, table in merged.items():
         cls = hints[sec]
@@ -395,8 +429,23 @@ def _check_relations(cfg: Config) -> None:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
     if c.min_nodes > c.nodes:
         raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
+    _check_model(cfg.model)
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
         raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
+
+
+def _check_model(m: ModelConfig) -> None:
+    """Keys that shape only one kind of network are errors with the other (no setting silently ignored)."""
+    if m.name in MODELS:
+        if m.args:
+            raise ConfigError(f"model.args = {m.args!r}: the keyword arguments of an import-path model.name's "
+                              f"factory; model.name = {m.name!r} is built-in (model.norm and model.width shape it)")
+        return
+    default = ModelConfig()
+    for key in ("norm", "width"):
+        if getattr(m, key) != getattr(default, key):
+            raise ConfigError(f"model.{key} = {getattr(m, key)!r}: shapes the built-in ResNets only; model.name = "
+                              f"{m.name!r} is your own network (give its factory's options in [model.args])")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:

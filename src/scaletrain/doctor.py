@@ -9,7 +9,8 @@ Exit status 1 when a warning says the job would fail as configured: a device its
 refuse (device.resolve: train.device = cuda with no GPU, a CPU torch in a GPU allocation),
 cluster.gpus_per_node above the GPUs visible (plan.gpu_map), a plan that
 cannot be placed or needs more nodes or CPUs than the allocation has (srun refuses the step),
-cluster.ifname not on this host, data.root / data.test_root / model.init_from not found.
+cluster.ifname not on this host, data.root / data.test_root / model.init_from not found, a
+model.name by import path that does not import or build here (models/factory.py).
 The others (bf16 or channels_last on a CPU: device.not_applied) leave a job that runs, only not
 as meant.
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from .config import ROOTS, Config, ConfigError, load_config
 from .device import Facts, not_applied, resolve, slurm_gpus
-from .errors import LaunchError, PlanError
+from .errors import LaunchError, ModelNameError, PlanError
+from .models import check_network
 from .plan import node_name
 from .launch import fabric
 from .launch.cpus import node_needs
@@ -143,6 +145,10 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
                       ("model.init_from", cfg.model.init_from)):
         if path and not exists(path):
             warn(f"{key} = {path!r}: not found from {os.getcwd()}", fails=True)
+    try:
+        check_network(cfg)  # a network by import path: imported here, built, a dummy batch through it
+    except ModelNameError as e:
+        warn(str(e), fails=True)
     try:
         plan = plan_for(cfg, here, env) if kind == "cuda" else plan_for(cfg)  # this host's GPUs, as a worker checks
     except PlanError as e:

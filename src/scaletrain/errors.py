@@ -14,6 +14,12 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; str() is one line for the user."""
 
 
+class ModelNameError(ConfigError):
+    """A model.name (an import path) whose network cannot be built, or does not fit the data: a
+    module that does not import, no such factory, a factory that raises or returns no nn.Module, an
+    output of another shape. str() is one line naming model.name."""
+
+
 class PlanError(ValueError):
     """A cluster shape that cannot be placed; str() is one line for the user."""
 
@@ -75,4 +81,6 @@ class Finished(Exception):
 
 
 # Raised while a job runs, from inputs the user controls: printed as one line with exit status 1.
-USER_ERRORS = (RunError, DataError, PretrainedError, CheckpointError)
+# ModelNameError is among them for a job process (a node where the user's module does not import);
+# before the job starts it is a ConfigError, status 2 (the launcher builds the network first).
+USER_ERRORS = (RunError, DataError, PretrainedError, CheckpointError, ModelNameError)

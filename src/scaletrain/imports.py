@@ -1,4 +1,4 @@
-"""Objects a recipe names by import path, "package.module:attr" (a user's dataset factory).
+"""Objects a recipe names by import path, "package.module:attr" (a user's network or dataset factory).
 
 The path is checked for its form when the config is read (no import then: config validation
 loads no torch and no user code), and imported where it is used; every failure is a ConfigError
@@ -27,19 +27,19 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def import_path(key: str, path: str):
-    """The object `path` (package.module:attr) names; ConfigError naming `key` and the path when
-    the module does not import or has no such attribute."""
+def import_path(key: str, path: str, error: type[ConfigError] = ConfigError):
+    """The object `path` (package.module:attr) names; `error` (a ConfigError) naming `key` and the
+    path when the module does not import or has no such attribute."""
     module, _, attr = path.partition(":")
     try:
         obj = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - whatever the module raises on import, named in one line
-        raise ConfigError(f"{key} = {path!r}: module {module} does not import: {one_line(e)} "
+        raise error(f"{key} = {path!r}: module {module} does not import: {one_line(e)} "
                           "(it must be importable where the job runs, on every node: installed or on "
                           "PYTHONPATH)") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ConfigError(f"{key} = {path!r}: module {module} has no attribute {attr!r}") from None
+            raise error(f"{key} = {path!r}: module {module} has no attribute {attr!r}") from None
     return obj

@@ -28,6 +28,7 @@ from .device import facts
 from .errors import EXIT_STOPPED, LaunchError, RunError, Stopped
 from .launch import entry, local, slurm
 from .launch import env as launch_env
+from .models import check_network
 from .rundir import prepare_run_dir
 from .schedule import step_images
 from .train import train
@@ -47,7 +48,8 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
                  plan_node: int | None = None) -> dict[str, Any]:
     """Train cfg into run_dir; the run's summary (summary.json).
 
-    Raises PlanError, LaunchError or ConfigError (a job that cannot start as asked), one of
+    Raises PlanError, LaunchError or ConfigError (a job that cannot start as asked: ModelNameError
+    for a network by import path that cannot be built or does not fit the data), one of
     errors.USER_ERRORS (a job that failed; str() is one line), Stopped (a stop
     signal: every process checkpointed at one step and stopped) and
     KeyboardInterrupt when the user stopped it (every process is stopped by then).
@@ -56,12 +58,15 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
     launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())
     if not cfg.distributed:
+        check_network(cfg)  # a network by import path: built once and its output checked (models/factory.py)
         return train(cfg, run_dir, resume=resume, progress=progress)
     resume = prepare_run_dir(run_dir, resume, cfg)
     if launch_env.in_torchrun() or launch_env.in_slurm_step():
         entry.exit_now(entry.run(cfg, run_dir, resume, progress, node=plan_node))
-    # Before the launcher makes the run directory: data its processes cannot use leaves none behind.
-    # A manifest's files are checked here once for the job, and the check recorded for its chief.
+    # Before the launcher makes the run directory: a network or data its processes cannot use leaves
+    # none behind. A network by import path is built here once, on CPU (models/factory.py); a
+    # manifest's files are checked here once for the job, and the check recorded for its chief.
+    check_network(cfg)
     check_data(cfg, run_dir)
     start = slurm.run_job if launch_env.in_slurm_allocation() else local.launch
     restarts, failure = 0, run_dir / "logs" / "failure.json"

@@ -2,6 +2,7 @@
 performance model's whole path with real jobs (minutes on two cores, so not a unit test)."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -15,9 +16,9 @@ from scaletrain.perfmodel.profile import load_profile
 from conftest import ROOT
 
 
-def run(*args, cwd=ROOT):
+def run(*args, cwd=ROOT, env=None):
     return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
 
 
 def test_calibrate_bench_validate_report(tmp_path):
@@ -64,3 +65,27 @@ def test_calibrate_bench_validate_report(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "report/predicted-measured.png").exists()
     assert "Predicted against measured" in (tmp_path / "report/report.html").read_text()
+
+
+def test_calibrate_and_predict_a_user_network(tmp_path):
+    """A network by import path (tests/user_models.py, on the commands' PYTHONPATH): calibrate
+    measures it, its gradient is its own parameters', and predict takes the profile for it (and
+    for it only: other model.args are another network)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.getenv("PYTHONPATH")])]))
+    sets = ["--set", "data.workers=0", "--set", "model.name=user_models:plain", "--set", "model.args.width=4"]
+    prof = tmp_path / "mine.toml"
+    r = run("calibrate", "--recipe", "recipes/digits.toml", *sets, "--steps", "5", "--runs", "1", "--out", str(prof),
+            env=env)
+    assert r.returncode == 0, r.stderr
+    p, _ = load_profile(prof)
+    assert (p.model, p.model_args, p.image_size) == ("user_models:plain", {"width": 4}, 16)
+    assert p.gradient_bytes == 4 * 646  # user_models.plain(10, width=4)'s parameters
+    shape = ["--set", "cluster.nodes=2", "--set", "cluster.num_ps=2", "--set", "strategy.name=sync",
+             "--set", "cluster.sharding=round-robin"]  # round-robin: the shards' sizes come from the network's tensors
+    r = run("predict", "--profile", str(prof), "--recipe", "recipes/digits.toml", *sets, *shape, "--format", "json",
+            env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["images_per_sec"] > 0
+    r = run("predict", "--profile", str(prof), "--recipe", "recipes/digits.toml", *sets[:4], env=env)
+    assert r.returncode == 2 and "measured for user_models:plain {'width': 4}, 16 px; the recipe trains " \
+        "user_models:plain, 16 px" in r.stderr, r.stderr

@@ -90,6 +90,14 @@ def test_missing_data_root_is_said(tmp_path):
         "warnings"]
 
 
+def test_a_network_that_does_not_import_here_is_said():
+    """Each node's doctor finds a module of model.name that the job's processes there could not import."""
+    rep = doctor.report(CPU_TORCH, {}, IFACES, HOST, cfg("model.name=no_such_package.nets:vgg"))
+    (text, fails), = warnings(rep)
+    assert text.startswith("model.name = 'no_such_package.nets:vgg': module no_such_package.nets does not import") and fails
+    assert not doctor.report(CPU_TORCH, {}, IFACES, HOST, cfg("model.name=user_models:plain"))["warnings"]
+
+
 def test_allocation_and_interfaces_are_read_from_made_up_facts():
     env = dict(ALLOCATION, NCCL_SOCKET_IFNAME="eno1")
     rep = doctor.report(cuda_torch(4), env, IFACES, HOST,

@@ -315,7 +315,8 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; the all-reduce's bytes {load:.2f} x as slow as "
             "in the microbenchmark")
         ibw = ibw / load
-    prof = Profile(model=cfg.model.name, image_size=cfg.data.image_size, batch_per_replica=cfg.data.batch_size,
+    prof = Profile(model=cfg.model.name, model_args=cfg.model.args, image_size=cfg.data.image_size,
+                   batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=host["gpus"] or cores,
                    compute_s=compute_s, compute_base_s=min(compute_base, 0.999 * compute_s),
                    # Device memory is left unlimited (0) and unmeasured: on CPU the batch shares
@@ -362,7 +363,7 @@ def median_profile(paths: list[Path]) -> tuple[Profile, dict]:
         if types[f.name] is float:
             m = out[f.name] = statistics.median(values)
             spreads[f.name] = round((max(values) - min(values)) / m if m else 0.0, 4)
-        elif len(set(values)) > 1:
+        elif any(v != values[0] for v in values):
             i = next(i for i, v in enumerate(values) if v != values[0])
             raise ProfileError(f"{paths[i]}: {f.name} = {values[i]!r}, not {values[0]!r} as in {paths[0]}: "
                                "calibrations of different setups")

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import Config, build_config, load_config
 from ..errors import USER_ERRORS, ConfigError, LaunchError, ModelError, PlanError, ProfileError
+from ..models import check_network
 from .calibrate import calibrate
 from .predict import add_time, predict, table
 from .profile import Profile, dump_profile, fits, largest_batch, load_profile, memory_text
@@ -33,6 +34,7 @@ def calibrate_command(recipe: str | None, overrides: list[str], out: Path, steps
     """`scaletrain calibrate`: measure a profile of this machine for the recipe into OUT."""
     try:
         cfg = load_config(recipe, overrides)
+        check_network(cfg)  # before the first figure: a network that cannot be built measures nothing
     except ConfigError as e:
         return fail(f"config error: {e}")
 

@@ -26,6 +26,7 @@ from ..errors import ModelError, ProfileError
 class Profile:
     # workload the compute figures were measured for
     model: str = opt("resnet50", "network the compute figures belong to (a model.name)")
+    model_args: dict = opt({}, "the model.args of that network, an import path's factory arguments ({} = none)")
     image_size: int = opt(224, "input side in pixels the compute figures belong to", lo=1, hi=100_000)
     batch_per_replica: int = opt(32, "images per replica per step the compute figures belong to", lo=1, hi=100_000)
     gradient_bytes: int = opt(0, "bytes of one full gradient (fp32 parameters x 4)", lo=1, hi=10**13)
@@ -150,7 +151,8 @@ def at_batch(p: Profile, batch: int) -> Profile:
     return replace(p, batch_per_replica=batch, compute_s=compute_at(p, batch))
 
 
-SECTIONS = {"workload": ("model", "image_size", "batch_per_replica", "gradient_bytes", "dataset_images", "epochs"),
+SECTIONS = {"workload": ("model", "model_args", "image_size", "batch_per_replica", "gradient_bytes", "dataset_images",
+                         "epochs"),
             "node": ("replicas_per_node", "compute_s", "compute_base_s", "device_memory", "memory_base",
                      "memory_per_image", "optimizer_s", "host_copy_bandwidth", "intra_bandwidth", "intra_latency"),
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),

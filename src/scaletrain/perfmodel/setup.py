@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from ..errors import ModelError, PlanError
-from ..models import resnet
+from ..errors import ModelError, ModelNameError, PlanError
+from ..models import build_model
 from ..plan import make_plan
 from ..ps.sharding import make_layout
 from ..strategies import entry, wait_for
@@ -62,9 +62,13 @@ def shard_bytes(cfg: Config, total: int) -> tuple[int, ...]:
 
 
 def param_numels(model_cfg) -> list[int]:
-    """Element count of each parameter of the model, in model order."""
-    with torch.device("meta"):  # sizes only: no memory, no initialisation cost
-        model = resnet(model_cfg.name, model_cfg.num_classes, model_cfg.norm, model_cfg.width)
+    """Element count of each parameter of the network a ModelConfig builds (built-in or by import
+    path: build_model, the job's own), in model order: the gradient the job moves."""
+    try:
+        with torch.device("meta"):  # sizes only: no memory, no initialisation cost
+            model = build_model(model_cfg, weights=False)
+    except ModelNameError:  # a factory that reads values as it builds cannot run on meta tensors: for real
+        model = build_model(model_cfg, weights=False)
     return [q.numel() for q in model.parameters()]
 
 
@@ -94,8 +98,12 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
 
 def check_workload(cfg: Config, prof: Profile, path: str) -> None:
     """The recipe must train what the profile's compute figures were measured for: the same
-    network at the same image size. Its batch per replica may differ (profile.at_batch)."""
-    have, want = (cfg.model.name, cfg.data.image_size), (prof.model, prof.image_size)
+    network (model.name and model.args) at the same image size. Its batch per replica may differ
+    (profile.at_batch)."""
+    have = (cfg.model.name, cfg.model.args, cfg.data.image_size)
+    want = (prof.model, prof.model_args, prof.image_size)
     if have != want:
-        raise ModelError(f"profile {path} was measured for {want[0]}, {want[1]} px; the recipe "
-                         f"trains {have[0]}, {have[1]} px (run `scaletrain calibrate` with it)")
+        def says(name, args, size):
+            return f"{name}{f' {args}' if args else ''}, {size} px"
+        raise ModelError(f"profile {path} was measured for {says(*want)}; the recipe "
+                         f"trains {says(*have)} (run `scaletrain calibrate` with it)")
