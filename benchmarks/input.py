@@ -50,7 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from scaletrain.config import AUGMENTATIONS, build_config
+from scaletrain.config import build_config
+from scaletrain.recipe_values import AUGMENTATIONS
 from scaletrain.data.augment import ON_DEVICE, Augment
 from scaletrain.data.loader import Prepare, Samples, ShardedBatches, collate
 from scaletrain.data.shards import open_shards, pack

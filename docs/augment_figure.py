@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.config import AUGMENTATIONS
+from scaletrain.recipe_values import AUGMENTATIONS
 from scaletrain.data.augment import _CROP, _FLIP, MAX_CAST, MAX_DEGREES, MAX_LENS, MAX_VIGNETTE, ON_DEVICE, Augment
 from scaletrain.data.loader import Prepare, Samples, collate
 

@@ -21,70 +21,8 @@ import tomli_w
 
 from .device import refused
 from .errors import ConfigError
-from .imports import is_import_path
+from .recipe_values import DATA_SOURCES, MODELS, parse_augment, parse_data_name, parse_lines, parse_model_name
 from .strategies.traits import REGISTRY
-
-
-# data.augment's names, in the order they are applied (data/augment.py says what each does).
-AUGMENTATIONS = ("resized-crop", "crop", "flip", "rotation", "lens", "vignetting", "color")
-
-
-def parse_augment(value) -> list[str]:
-    """data.augment as given (a list, false, or a string such as "crop+flip" or "none") -> the
-    names, in the order of AUGMENTATIONS; ValueError naming what is not known."""
-    if value is False or value is None:
-        return []
-    if isinstance(value, str):
-        value = [] if value.strip() in ("", "none") else value.replace("+", ",").split(",")
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of names from {', '.join(AUGMENTATIONS)}, or false")
-    names = [v.strip() for v in value]
-    unknown = [n for n in names if n not in AUGMENTATIONS]
-    if unknown:
-        raise ValueError(f"{unknown[0]!r} is not an augmentation; choose from {', '.join(AUGMENTATIONS)}")
-    return [n for n in AUGMENTATIONS if n in names]
-
-
-# data.name's built-in sources; any other name is a user's factory, package.module:factory (data/user.py).
-DATA_SOURCES = ("digits", "synthetic", "imagefolder", "manifest", "shards")
-
-
-def parse_data_name(value):
-    """data.name as given -> itself, when it is a built-in source or has the form package.module:factory;
-    ValueError naming what is allowed. Not imported here: config validation runs no user code."""
-    if isinstance(value, str) and value not in DATA_SOURCES and not is_import_path(value):
-        raise ValueError(f"not a dataset; choose one of {', '.join(DATA_SOURCES)}, or a factory of your own "
-                         "as package.module:factory")
-    return value
-
-
-def parse_lines(value) -> list[str]:
-    """cluster.setup as given (a list of strings, or one string) -> the lines."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and "\n" not in v for v in value):
-        raise ValueError("expected a list of shell lines (strings without a newline)")
-    return [v.strip() for v in value if v.strip()]
-
-
-# model.name's built-in networks (models/resnet.py); any other name is an import path (models/factory.py).
-MODELS = ("resnet8", "resnet20", "resnet18", "resnet50")
-# model.name's prefixes that name a network of an optional package, each installed by the extra of its name.
-MODEL_EXTRAS = ("torchvision", "timm")
-
-
-def parse_model_name(value):
-    """model.name as given -> itself, when it is a built-in network or an import path of the form
-    package.module:factory, torchvision:NAME or timm:NAME; ValueError saying the forms otherwise.
-    Only the form is checked here (no import: config loads no torch); models/factory.py builds it."""
-    if not isinstance(value, str) or value in MODELS:
-        return value  # not a string: the type check says so
-    prefix, colon, attr = value.partition(":")
-    if colon and (prefix in MODEL_EXTRAS and attr and not any(c.isspace() for c in attr)
-                  or is_import_path(value)):
-        return value
-    raise ValueError(f"not a built-in network ({', '.join(MODELS)}) nor an import path "
-                     "package.module:factory, torchvision:NAME or timm:NAME")
 
 
 def opt(default, doc: str, *, choices=None, lo=None, hi=None, parse=None):

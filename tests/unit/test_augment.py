@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from scaletrain.config import AUGMENTATIONS, ConfigError, load_config
+from scaletrain.config import ConfigError, load_config
+from scaletrain.recipe_values import AUGMENTATIONS
 from scaletrain.data import Prepare
 from scaletrain.data.augment import ASPECT, Augment, centre
 from scaletrain.data.decode import decode, image_size, load, reduced_box

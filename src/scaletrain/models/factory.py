@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..config import MODEL_EXTRAS, MODELS
+from ..recipe_values import MODEL_EXTRAS, MODELS
 from ..errors import ModelNameError
 from ..imports import import_path, one_line
 from .resnet import resnet
