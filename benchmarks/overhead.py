@@ -29,7 +29,8 @@ from scaletrain.data import Prepare, build_datasets
 from scaletrain.data.loader import collate
 from scaletrain.metrics import run_info, sync
 from scaletrain.models import build_model
-from scaletrain.train import pick_device, train
+from scaletrain.job import pick_device
+from scaletrain.loop import train
 
 
 def bare_loop(cfg, steps: int, warmup: int) -> float:

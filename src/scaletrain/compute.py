@@ -7,7 +7,7 @@ parameter's .grad is filled with a fixed gradient of the model's size and
 layout. Everything after (averaging, all-reduce, PS pushes and pulls, the
 optimizer) is the strategy's real work, so a 2-core machine can show how the
 communication and the PS of a GPU cluster scale. The train loop calls either
-the same way: fetch() then the object itself.
+the same way, with the batch job.batches() gave (None for Emulated).
 """
 
 from __future__ import annotations
@@ -74,19 +74,11 @@ def grads_to_none(module: torch.nn.Module) -> bool:
 class Backprop:
     """Forward and backward of each batch the loader gives."""
 
-    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, inputs,
-                 device: torch.device) -> None:
-        """inputs: a loader's batch -> (x, y) on the device, the network's input (train.Run.inputs)."""
-        self.model, self.optimizer, self.inputs = model, optimizer, inputs
-        self.batches = iter(loader)
+    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.model, self.optimizer = model, optimizer
         self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
         self.to_none = grads_to_none(model)
         self.autocast = autocast(cfg.train.precision, device)
-
-    def fetch(self):
-        """The next batch on the device as (x, y); None when none of its images could be read."""
-        x, y = self.inputs(next(self.batches))
-        return None if x is None else (x, y)
 
     def __call__(self, batch) -> tuple[torch.Tensor, int]:
         """The batch's loss (on the device, no host sync) and its images; .grad holds the gradient."""
@@ -96,9 +88,6 @@ class Backprop:
         self.optimizer.zero_grad(set_to_none=self.to_none)
         loss.backward()
         return loss.detach(), len(y)
-
-    def close(self) -> None:
-        del self.batches  # stops loader worker processes
 
 
 class Emulated:
@@ -115,10 +104,7 @@ class Emulated:
                       for p in self.params]
         self.loss = torch.tensor(float("nan"), device=device)
 
-    def fetch(self) -> int:
-        return self.images
-
-    def __call__(self, images: int) -> tuple[torch.Tensor, int]:
+    def __call__(self, batch: None) -> tuple[torch.Tensor, int]:
         # Host-device sync: the previous step's all-reduce and optimizer, still queued on a GPU, finish
         # before the sleep stands for this step's forward and backward; else they would run during it
         # and the emulated GPU would hide them, which a real one, busy computing, cannot. Cost: the
@@ -129,7 +115,4 @@ class Emulated:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(g)  # writes every gradient byte, as a backward pass would
-        return self.loss, images
-
-    def close(self) -> None:
-        pass
+        return self.loss, self.images

@@ -212,7 +212,7 @@ class Config:
 
     def replace(self, **overrides: Any) -> "Config":
         """Copy with dotted overrides, e.g. cfg.replace(**{"train.steps": 5})."""
-        return build_config(self.to_dict(), [f"{k}={_toml_value(v)}" for k, v in overrides.items()])
+        return build_config(self.to_dict(), [f"{k}={toml_value(v)}" for k, v in overrides.items()])
 
 
 ROOTS = {"imagefolder": "directory root/CLASS/*.jpg", "manifest": "CSV manifest",
@@ -231,10 +231,10 @@ def field_docs() -> dict[str, str]:
     return out
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
     if isinstance(v, dict):  # an inline table (model.args): tomli_w writes a dict as a table of its own
         keys = (tomli_w.dumps({k: 0}).rsplit("=", 1)[0].strip() for k in v)
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in zip(keys, v.values())) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in zip(keys, v.values())) + "}"
     return tomli_w.dumps({"v": v}).split("=", 1)[1].strip()
 
 

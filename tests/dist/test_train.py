@@ -6,7 +6,7 @@ import sys
 from safetensors.torch import load_file
 
 from scaletrain.models.resnet import resnet
-from scaletrain.train import train
+from scaletrain.loop import train
 
 from conftest import ROOT, scaletrain_cmd
 

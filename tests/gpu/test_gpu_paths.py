@@ -34,7 +34,7 @@ def test_emulated_sleep_does_not_hide_queued_work(monkeypatch):
     assert not queued.query()  # still running: there is work the sleep could hide
     done_at_sleep, real_sleep = [], compute.time.sleep
     monkeypatch.setattr(compute.time, "sleep", lambda s: (done_at_sleep.append(queued.query()), real_sleep(s))[1])
-    work(work.fetch())
+    work(None)
     assert done_at_sleep == [True]
 
 

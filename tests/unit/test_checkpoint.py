@@ -4,7 +4,7 @@ from safetensors.torch import load_file
 
 from scaletrain import checkpoint, resume
 from scaletrain.checkpoint import CheckpointError
-from scaletrain.train import train
+from scaletrain.loop import train
 
 
 def state(step, value=1.0):

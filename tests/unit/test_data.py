@@ -8,7 +8,7 @@ import torch
 from scaletrain.config import build_config
 from scaletrain.data import BadImage, DataError, ShardedBatches, build_datasets, train_loader
 from scaletrain.data.loader import Samples
-from scaletrain.train import train
+from scaletrain.loop import train
 
 from conftest import scaletrain_cmd, write_images
 

@@ -154,7 +154,7 @@ def test_a_resumed_emulator_keeps_its_history_where_the_model_is(digits_cfg, str
 def test_a_setting_the_device_cannot_take_is_recorded_as_not_applied(digits_cfg, tmp_path):
     import json
 
-    from scaletrain.train import train
+    from scaletrain.loop import train
 
     cfg = digits_cfg("train.steps=2", "model.name=resnet8", "train.precision=bf16", "train.device=auto")  # CPU here
     train(cfg, tmp_path, progress=False)

@@ -40,13 +40,14 @@ ddp = data_parallel(model, None)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(rank)
 batches = [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(8)]
-work = Backprop(load_config(None), ddp, opt, batches, lambda b: b, torch.device("cpu"))
+work = Backprop(load_config(None), ddp, opt, torch.device("cpu"))
+batches = iter(batches)
 seen = {}
 for i, p in enumerate(model.parameters()):
     p.register_post_accumulate_grad_hook(lambda p, i=i: seen.__setitem__(i, p.grad.data_ptr()))
 res = {"to_none": work.to_none, "compiled_to_none": grads_to_none(torch.compile(ddp))}
 for _ in range(2):  # the first backward makes the gradients DDP's bucket views; DDP then rebuilds its
-    work(work.fetch()); opt.step()  # buckets in the order the gradients came, and the second moves them there
+    work(next(batches)); opt.step()  # buckets in the order the gradients came, and the second moves them there
 views = [p.grad.data_ptr() for p in model.parameters()]
 res["one_storage"] = len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
 for phase in ("kept", "dropped"):
@@ -54,7 +55,7 @@ for phase in ("kept", "dropped"):
         work.to_none = True
     res[phase] = []
     for _ in range(3):
-        work(work.fetch()); opt.step()
+        work(next(batches)); opt.step()
         res[phase].append([seen[i] == v for i, v in enumerate(views)])
     res[phase + "_after"] = [p.grad.data_ptr() for p in model.parameters()] == views
 json.dump(res, open(f"{out}/ddp{rank}.json", "w"))
@@ -97,7 +98,7 @@ def test_emulated_gpu_syncs_before_it_sleeps(monkeypatch):
     monkeypatch.setattr(compute.time, "sleep", lambda s: (calls.append(("sleep", s)), real_sleep(s))[1])
     cfg = load_config(None, ["train.emulate_compute_s=0.01"])
     work = Emulated(cfg, torch.nn.Linear(3, 2), torch.device("cpu"))
-    work(work.fetch())
+    work(None)
     assert calls == [("sync", torch.device("cpu")), ("sleep", 0.01)]
 
 
@@ -149,8 +150,8 @@ def test_evaluation_autocasts_as_training_does(monkeypatch):
     model, cpu = Recorder(), torch.device("cpu")
     batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
     cfg = load_config(None, ["train.precision=bf16", "optim.weight_decay=0"])
-    work = compute.Backprop(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), batches, lambda b: b, cpu)
-    work(work.fetch())
+    work = compute.Backprop(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), cpu)
+    work(batches[0])
     evaluate(model, batches, cpu, lambda b: b, None, 1, "bf16")
     assert model.seen == [torch.bfloat16, torch.bfloat16]
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from scaletrain.config import build_config
 from scaletrain.data import DataError, build_datasets, train_loader
 from scaletrain.data.shards import buffer_shuffle, pack, parse_size
-from scaletrain.train import train
+from scaletrain.loop import train
 
 from conftest import scaletrain_cmd
 

@@ -10,7 +10,7 @@ from conftest import RECIPES
 
 from scaletrain.config import load_config
 from scaletrain.launch import cpus, preflight, slurm
-from scaletrain.launch.entry import launcher_threads
+from scaletrain.launch.join import launcher_threads
 from scaletrain.launch.env import LaunchError, plan_for
 from scaletrain.launch.follow import state_line
 

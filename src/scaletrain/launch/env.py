@@ -22,11 +22,16 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..device import Facts, gpus_for_plan
 from ..errors import LaunchError
 from ..plan import PlanError, Plan, make_plan, node_name
 from ..strategies.traits import entry
+
+
+RUN_DIR_ENV, RESUME_ENV = "SCALETRAIN_RUN_DIR", "SCALETRAIN_RESUME"  # script_env
+PLAN_NODE_ENV = "SCALETRAIN_PLAN_NODE"  # a user's script under torchrun: its agent's node in the plan
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,12 @@ def plan_for(cfg, here: Facts | None = None, env=os.environ) -> Plan:
     else:
         gpus, one_host = (0 if cfg.train.device == "cpu" else c.gpus_per_node), False
     return make_plan(c, entry(cfg).uses_ps, gpus, one_host)
+
+
+def script_env(run_dir: Path, resume: bool) -> dict[str, str]:
+    """What a user's script started as a job's process by the local launcher or a Slurm step reads
+    (job.Job.from_env): the run's directory and whether it resumes."""
+    return {RUN_DIR_ENV: str(run_dir.resolve()), RESUME_ENV: str(int(resume))}
 
 
 def in_torchrun(env=os.environ) -> bool:

@@ -44,7 +44,7 @@ from ..errors import EXIT_PEER, EXIT_STOPPED
 from ..metrics import LAUNCHED, start_up
 from ..plan import Plan, node_name
 from ..strategies import traits
-from .env import LaunchError, plan_for
+from .env import LaunchError, plan_for, script_env
 from .fork import Forked, Starter, die_with_parent
 
 
@@ -92,7 +92,11 @@ def stop_signals_of(names: tuple[str, ...]) -> list[int]:
     return [getattr(signal, n) for n in names]
 
 
-def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True) -> int:
+def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True,
+           script: list[str] | None = None) -> int:
+    """Start every process of cfg's job here and watch them; the job's exit status. script: the
+    user's script and its arguments, which each process runs (job.Job.from_env), instead of the
+    built-in loop."""
     plan = plan_for(cfg, facts())
     addr = cfg.cluster.master_addr
     if cfg.cluster.master_port:
@@ -103,12 +107,13 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     # being started would kill the launcher, not stop the job.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        return _start(cfg, plan, addr, run_dir, resume, progress, held)
+        return _start(cfg, plan, addr, run_dir, resume, progress, held, script)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, progress: bool, held: list[int]) -> int:
+def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, progress: bool, held: list[int],
+           script: list[str] | None) -> int:
     launched = time.time()
 
     def say(what: str, since: float | None = launched) -> None:
@@ -125,7 +130,9 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     common = dict(os.environ, WORLD_SIZE=str(plan.world_size), MASTER_ADDR=addr, SCALETRAIN_JOB=job,
                   MASTER_PORT=str(cfg.cluster.master_port), OMP_NUM_THREADS=str(threads), **{LAUNCHED: str(launched)})
     argv = [str(run_dir)] + (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
-    specs = [{"argv": argv, "log": str(run_dir / "logs" / f"rank{p.rank}.log") if p.rank else None,
+    if script:
+        common.update(script_env(run_dir, resume))
+    specs = [{"argv": argv, "script": script, "log": str(run_dir / "logs" / f"rank{p.rank}.log") if p.rank else None,
               "env": dict(common, RANK=str(p.rank), LOCAL_RANK=str(p.local_rank),
                           SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads))}
              for p in plan.procs]

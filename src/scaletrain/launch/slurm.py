@@ -74,7 +74,7 @@ from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
 from ..strategies import traits
 from . import cpus, fabric
-from .env import LaunchError, allocation_hosts, het_groups, plan_for, slurm_hosts, slurm_port
+from .env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
 from .local import check_port, free_port, read_ranks, write_failure
@@ -174,10 +174,13 @@ def write(cfg: Config, run_dir: Path, resume: bool = False, **opts) -> Path:
     return path
 
 
-def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True, exclude=()) -> int:
+def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True, exclude=(),
+            script: list[str] | None = None) -> int:
     """Inside an allocation: start every process of the plan with one srun step, pass SIGTERM and
     the warning signal on to every task, and requeue the job when the warning stopped it.
-    exclude: hosts of the allocation left out (a failed node, see run.py)."""
+    exclude: hosts of the allocation left out (a failed node, see launch/supervise.py). script: a
+    user's script and its arguments, which every task runs (job.Job.from_env), instead of the
+    built-in loop."""
     plan = plan_for(cfg)
     job = os.environ.get("SLURM_JOB_ID", "0")
     hosts = slurm_hosts(plan, os.environ, exclude)
@@ -198,12 +201,15 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     cmd = ["srun", f"--job-name={name}", "--kill-on-bad-exit=0", f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}"]
     het = len(het_groups(os.environ)) > 1
     cmd += step_layout(plan, cfg, het)
-    cmd += [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
-    cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
+    if script:
+        cmd += [sys.executable, *script]
+    else:
+        cmd += [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
+        cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     # The batch slot's layout (one task a node) is not the step's: srun would read it from there.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_NTASKS_PER_NODE")}
     env.update(SCALETRAIN_THREADS=",".join(map(str, threads)), SCALETRAIN_PORT=str(port),
-               **{LAUNCHED: str(time.time())})
+               **{LAUNCHED: str(time.time())}, **(script_env(run_dir, resume) if script else {}))
     if not het:  # srun takes a host file's hosts as every component's node list
         env.update(SLURM_HOSTFILE=str(hostfile))
     step: list[subprocess.Popen] = []

@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import runpy
 import sys
 import traceback
 import warnings
 
-from .entry import exit_now, main
+from .entry import main
+from .join import exit_now
 from .fork import die_with_parent
 
 # What job processes import later on their own: torch._dynamo (torch.optim imports it at an optimizer's
@@ -36,13 +38,21 @@ def _child(spec: dict, starter: int) -> None:
     os.environ.clear()
     os.environ.update(spec["env"])
     try:
-        rc = main(spec["argv"])
+        rc = run_script(spec["script"]) if spec.get("script") else main(spec["argv"])
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback to the log, status 1
         traceback.print_exc()
         rc = 1
     exit_now(rc)
+
+
+def run_script(script: list[str]) -> int:
+    """Run a user's script as `python SCRIPT ARGS...` would: as __main__, its folder first on sys.path."""
+    sys.argv = list(script)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
+    runpy.run_path(script[0], run_name="__main__")
+    return 0
 
 
 def serve(to: int, back: int) -> None:

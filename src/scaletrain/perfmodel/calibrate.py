@@ -60,7 +60,7 @@ from ..launch.local import free_port
 from ..metrics import pinned, sync
 from ..optim import build_optimizer
 from ..run import run_training
-from ..train import pick_device
+from ..job import pick_device
 from .costs import ring_allreduce_s
 from .predict import predict
 from .profile import Profile, load_profile

@@ -1,11 +1,8 @@
-"""The training loop of one process: batch -> forward/backward -> strategy.step -> metrics.
+"""What a job's loop reports to (job.py): the job clock, metrics rows, and what is done at sync points.
 
-The loop runs until the job's target is reached (schedule.py: images whose
-gradients were applied, the same unit for every strategy), or a target
-accuracy or loss is. At sync points (schedule.py) every worker holds the same
-values and meets the others (`Run.sync_point`): they evaluate their slices of
-the test set together, decide together whether to stop, and the chief
-checkpoints.
+At sync points (schedule.py) every worker holds the same values and meets the
+others (`Tracker.sync_point`): they evaluate their slices of the test set
+together, decide together whether to stop, and the chief checkpoints.
 
 A job that goes on without lost workers (asynchronous PS modes, see
 comm/liveness.py) has no collective among its workers: at its sync points the
@@ -19,145 +16,25 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, schedule, stats
-from .comm.end import stop_signals, stopped
-from .comm.groups import Context, single
+from . import checkpoint, stats
 from .comm.liveness import CHECKPOINT, STOP
-from .compute import Backprop, Emulated, keep_freed_memory
-from .config import Config, dump_toml
-from .data import Batch, DataError, Prepare, build_datasets, test_loader, train_loader
-from .device import facts, not_applied, resolve, setup as setup_kernels
-from .errors import RunError
-from .metrics import DeviceTimer, JobClock, Progress, Recorder, start_up, sync
-from .models import build_model
-from .optim import build_optimizer, lr_at
-from .replicas import evaluate, load_replica_buffers, replica_buffers
-from .resume import resume_from, rng_state
-from .rundir import make as make_run_dir, prepare_run_dir
+from .data import Batch, DataError, test_loader
+from .device import not_applied
+from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
+from .replicas import evaluate, replica_buffers
+from .resume import rng_state
 from .strategies.base import Tick
-from .strategies.build import build_strategy
-from .strategies.traits import images_per_update
 
 log = logging.getLogger("scaletrain")
 
 
-def pick_device(cfg: Config) -> torch.device:
-    """The device of a single-process run (a distributed one's comes from its plan)."""
-    if resolve(cfg.train.device, facts()) == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def setup_process(cfg: Config) -> None:
-    keep_freed_memory()
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    setup_kernels(cfg.train.deterministic)
-
-
-def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
-    s = schedule.from_config(cfg, train_images)
-    if train_images < s.step_images:
-        raise RunError(f"{train_images} training images are fewer than one global batch "
-                       f"({s.step_images // cfg.data.batch_size} replicas x data.batch_size = {cfg.data.batch_size})")
-    return s
-
-
-def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
-          ctx: Context | None = None) -> dict[str, Any]:
-    """Run the worker loop of this process; returns the summary (the chief writes it).
-    Raises Stopped when a stop signal ended the job early (after its checkpoint)."""
-    ctx, run_dir = ctx or single(), Path(run_dir)
-    with stop_signals(ctx, cfg.cluster.stopping, escalate=not ctx.distributed):
-        return _train(cfg, run_dir, resume, progress, ctx)
-
-
-def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, ctx: Context) -> dict[str, Any]:
-    if not ctx.distributed:  # a launcher checked it before starting the processes
-        resume = prepare_run_dir(run_dir, resume, cfg)
-    setup_process(cfg)
-    device = torch.device(ctx.me.device) if ctx.distributed else pick_device(cfg)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's kernels, NCCL and caching allocator on its own GPU only
-    torch.manual_seed(cfg.train.seed)
-    # A manifest's files are checked once a job (data/sources.py): the chief does it unless the launcher did.
-    train_set, test_set, classes = build_datasets(cfg, run_dir, check=ctx.is_chief)
-    model = build_model(cfg.model).to(device)
-    channels_last = cfg.train.channels_last and device.type == "cuda"
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    opt = build_optimizer(cfg.optim, model.parameters())
-    sched = make_schedule(cfg, len(train_set))
-    resumed = resume_from(run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
-                          sched.step_images) if resume else None
-    if ctx.is_chief:
-        make_run_dir(run_dir)  # only now: a config or data refused above leaves no directory behind
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
-        (run_dir / "classes.txt").write_text("\n".join(classes) + "\n")
-    strategy = build_strategy(cfg, ctx, model, opt, sched)
-    if resumed is not None:
-        strategy.restore(resumed.state)
-        load_replica_buffers(model, resumed.state.get("replica_buffers"), ctx.me.index)
-        resumed.state = None  # the model, optimizer and strategy hold it now
-    prepare = Prepare(cfg.data.augment, train_set.stats, device, channels_last)
-    run = Run(cfg, ctx, run_dir, model, strategy, sched, prepare, len(train_set), test_set, resumed, progress)
-    if run.not_applied and ctx.is_chief:
-        log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in run.not_applied.items()))
-    tick = Tick(run.images0, False, run.images0 >= sched.target)
-    if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
-        compute = Emulated(cfg, model, device)
-    else:
-        loader, _ = train_loader(train_set, cfg, sched.step_of(tick.images), None, world=len(ctx.plan.workers),
-                                 rank=ctx.me.index, pin=device.type == "cuda")
-        forward = strategy.wrap()
-        compute = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, loader, run.inputs,
-                           device)
-    update_images = images_per_update(cfg)
-    slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
-    model.train()
-    if ctx.distributed:
-        run.bar.message(start_up("data ready, training"))
-    try:
-        while not tick.stop:
-            t0 = time.perf_counter()
-            batch = compute.fetch()
-            run.clock.wait += time.perf_counter() - t0
-            if batch is None:
-                if ctx.distributed:  # skipping would leave the other replicas waiting in the step's collective
-                    raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
-                                    "a distributed step needs at least one; see the warnings above")
-                continue
-            lr = lr_at(cfg.optim, sched.step_of(tick.images), sched.steps, update_images)
-            run.compute_time.start()
-            loss, images = compute(batch)  # forward and backward: .grad holds this replica's gradient
-            if slow:
-                time.sleep(slow)  # testing only: an emulated straggler
-            run.compute_time.stop()
-            before, tick = tick, strategy.step(lr)
-            run.after_step(before, tick, loss, images, lr)
-            if tick.synced:
-                tick = run.sync_point(tick)
-        strategy.finish(stopped=run.stopped)  # after the last snapshot: the PS stop when every pusher has finished
-    finally:
-        run.close()
-        compute.close()
-    summary = run.summarize(tick, len(train_set), len(test_set))
-    if run.stopped:
-        step = sched.step_of(tick.images)
-        raise stopped(run.stopped, f"at step {step} of {sched.steps}; the checkpoint of step {step} is in "
-                      f"{run_dir / 'checkpoints'}")
-    return summary
-
-
-class Run:
+class Tracker:
     """What the loop reports to: the job clock, metrics rows, and what is done at sync points."""
 
     def __init__(self, cfg, ctx, run_dir, model, strategy, sched, prepare, train_images, test_set, resumed,

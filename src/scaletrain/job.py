@@ -1,0 +1,311 @@
+"""Job: one process's part of a training job, around a loop that may be the user's own.
+
+The built-in loop (loop.py) and a user's script take the same path:
+
+    with scaletrain.Job.from_env(cfg) as job:
+        model, optimizer = job.wrap(MyNet())
+        for x, y in job.batches():          # this replica's slice of the recipe's data
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            job.step(loss)                   # the strategy: averaging, the PS, the optimizer step
+    print(job.figures())
+
+`wrap` builds the recipe's strategy (strategy.name: strategies/build.py) around the model and
+optimizer and resumes them from the run's checkpoint; `step` is the strategy's step followed by what
+the job does at sync points (evaluation, checkpoints, a stop asked by a signal or a reached target:
+tracker.py). The job's progress counts images applied (schedule.py), so `batches()` ends when its
+target is reached, for every strategy alike. `figures()` ends the job and returns its summary
+(summary.json, written by the chief).
+
+Job.from_env places this process: a single-process config trains here; under torchrun, srun or
+the local launcher the process joins the job (a parameter server's process serves its shard and
+exits inside from_env); a distributed config started by none of them starts the job's processes
+here, each running this same script, and exits with the job's status (launch/supervise.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .comm.end import stop_signals, stopped
+from .comm.groups import Context, single
+from .comm.liveness import CHECKPOINT
+from .config import Config, dump_toml, load_config
+from .data import DataError, Prepare, build_datasets, train_loader
+from .device import facts, resolve, setup as setup_kernels
+from .errors import ConfigError, RunError
+from .launch import env as launch_env, join, supervise
+from .metrics import start_up
+from .optim import build_optimizer, decayed, loss_fn, lr_at
+from .replicas import load_replica_buffers
+from .resume import resume_from
+from .rundir import make as make_run_dir, prepare_run_dir
+from . import schedule
+from .strategies.base import Tick
+from .strategies.build import build_strategy
+from .strategies.traits import entry, images_per_update
+from .tracker import Tracker
+from .compute import keep_freed_memory
+
+log = logging.getLogger("scaletrain")
+
+
+def pick_device(cfg: Config) -> torch.device:
+    """The device of a single-process run (a distributed one's comes from its plan)."""
+    if resolve(cfg.train.device, facts()) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def setup_process(cfg: Config) -> None:
+    keep_freed_memory()
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    setup_kernels(cfg.train.deterministic)
+
+
+def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
+    s = schedule.from_config(cfg, train_images)
+    if train_images < s.step_images:
+        raise RunError(f"{train_images} training images are fewer than one global batch "
+                       f"({s.step_images // cfg.data.batch_size} replicas x data.batch_size = {cfg.data.batch_size})")
+    return s
+
+
+class Job:
+    """This worker's part of the job: wrap the model, give its batches, step, report, end."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
+                 ctx: Context | None = None) -> None:
+        """A worker of `ctx`'s job (None: the only process). Reads the recipe's data; Job.from_env is
+        the constructor for scripts."""
+        self.cfg, self.ctx, self.run_dir, self.progress = cfg, ctx or single(), Path(run_dir), progress
+        self.resume = prepare_run_dir(self.run_dir, resume, cfg) if not self.ctx.distributed else resume
+        self._exits = ExitStack()
+        self._launched = False  # joined here by from_env: its end is this process's (launch/join.py)
+        setup_process(cfg)
+        self.device = torch.device(self.ctx.me.device) if self.ctx.distributed else pick_device(cfg)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this process's kernels, NCCL and caching allocator on its own GPU
+        torch.manual_seed(cfg.train.seed)
+        # A manifest's files are checked once a job (data/sources.py): the chief does it unless the launcher did.
+        self.train_set, self.test_set, self.classes = build_datasets(cfg, self.run_dir, check=self.ctx.is_chief)
+        self.schedule = make_schedule(cfg, len(self.train_set))
+        self.strategy = self.tracker = self.tick = None
+        self.summary: dict[str, Any] | None = None
+        self._pending = False  # a batch was given and its step not yet taken
+        self._images = 0  # the images of the batch given last
+
+    # --- the constructor for scripts ------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, cfg: Config, run_dir: str | Path | None = None, resume: bool = False,
+                 progress: bool = True) -> "Job":
+        """This process's Job, wherever it was started (the module doc). run_dir: the run's directory
+        (default runs/NAME-TIME; under torchrun or srun every process must be given the same one);
+        resume: continue the run in it from its newest checkpoint. Under torchrun with several plan
+        nodes, each agent's processes read their node's index from SCALETRAIN_PLAN_NODE. A process
+        that the local launcher or a Slurm step started for this script takes the job's config from
+        RUN_DIR/config.toml, as its launcher resolved it (the port; a restart's node count)."""
+        if not cfg.distributed:
+            return cls(cfg, run_dir or _default_run_dir(), resume, progress)
+        launched = os.environ.get(launch_env.RUN_DIR_ENV)  # a process launch/supervise.py started
+        if launched or launch_env.in_torchrun() or launch_env.in_slurm_step():
+            if not (launched or run_dir):
+                raise RunError("under torchrun or srun every process must be given the same run_dir")
+            run_dir = Path(launched or run_dir)
+            if launched:  # the job's config as its launcher resolved it: the port, a restart's node count
+                cfg = load_config(run_dir / "config.toml")
+            resume = os.environ.get(launch_env.RESUME_ENV, str(int(resume))) == "1"
+            node = os.environ.get(launch_env.PLAN_NODE_ENV)
+            ctx = join.join_or_exit(cfg, run_dir, resume, progress, int(node) if node else None)
+            try:
+                job = cls(cfg, run_dir, resume, progress, ctx)
+            except BaseException as e:  # noqa: BLE001 - the peers must hear of it, not wait
+                join.end_or_exit(ctx, e)
+                raise
+            job._launched = True
+            return job
+        script = [sys.argv[0], *sys.argv[1:]]
+        if not script[0] or script[0] == "-c":
+            raise RunError("a distributed Job started outside torchrun, srun or a script: run it as a script "
+                           "(python SCRIPT.py), which then starts every process of the job")
+        sys.exit(supervise.run_script(cfg, Path(run_dir) if run_dir else _default_run_dir(), resume, progress,
+                                      script))
+
+    # --- the loop's calls -----------------------------------------------------------------------------
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """(module, optimizer) to train with: the model on this process's device inside the recipe's
+        strategy (allreduce: a DistributedDataParallel; forward and backward run through it), and the
+        optimizer (None: the recipe's [optim]). Restores both from the run's checkpoint when it
+        resumes. A strategy whose parameter servers apply the updates takes no optimizer of the user's:
+        the shards step the recipe's [optim]."""
+        if self.strategy is not None:
+            raise RunError("job.wrap() was called twice: a job trains one model")
+        if not isinstance(model, torch.nn.Module):
+            raise RunError(f"job.wrap() takes a torch.nn.Module, not {type(model).__name__}")
+        cfg, ctx, device = self.cfg, self.ctx, self.device
+        if optimizer is not None and (entry(cfg).uses_ps or cfg.strategy.emulate_workers):
+            raise ConfigError(f"strategy.name = {cfg.strategy.name!r}: its parameter servers apply the updates with "
+                              "the recipe's [optim]; call job.wrap(model) without an optimizer")
+        model = model.to(device)
+        self._channels_last = cfg.train.channels_last and device.type == "cuda"
+        if self._channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        opt = optimizer or build_optimizer(cfg.optim, model.parameters())
+        sched = self.schedule
+        resumed = resume_from(self.run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
+                              sched.step_images) if self.resume else None
+        if ctx.is_chief:
+            make_run_dir(self.run_dir)  # only now: a config or data refused above leaves no directory behind
+            (self.run_dir / "config.toml").write_text(dump_toml(cfg))
+            (self.run_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
+        self.strategy = build_strategy(cfg, ctx, model, opt, sched)
+        if resumed is not None:
+            self.strategy.restore(resumed.state)
+            load_replica_buffers(model, resumed.state.get("replica_buffers"), ctx.me.index)
+            resumed.state = None  # the model, optimizer and strategy hold it now
+        prepare = Prepare(cfg.data.augment, self.train_set.stats, device, self._channels_last)
+        self.tracker = t = Tracker(cfg, ctx, self.run_dir, model, self.strategy, sched, prepare, len(self.train_set),
+                                   self.test_set, resumed, self.progress)
+        if t.not_applied and ctx.is_chief:
+            log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in t.not_applied.items()))
+        self.tick = Tick(t.images0, False, t.images0 >= sched.target)
+        self._decayed = decayed(model)
+        self._slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
+        model.train()
+        if ctx.distributed:
+            t.bar.message(start_up("data ready, training"))
+        return self.strategy.wrap(), opt
+
+    def batches(self):
+        """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
+        until the job's target is reached (or a stop: should_stop). Each needs one job.step() before the
+        next. From a resumed checkpoint they go on where it stopped. Under train.emulate_compute_s no data
+        is read: each batch is None (compute.Emulated)."""
+        self._wrapped("batches")
+        cfg, ctx, t = self.cfg, self.ctx, self.tracker
+        emulated = bool(cfg.train.emulate_compute_s)
+        loader = None if emulated else iter(train_loader(
+            self.train_set, cfg, self.schedule.step_of(self.tick.images), None, world=len(ctx.plan.workers),
+            rank=ctx.me.index, pin=self.device.type == "cuda")[0])
+        try:
+            while not self.tick.stop:
+                if self._pending:
+                    raise RunError(f"step {self.schedule.step_of(self.tick.images)}: the loop asked for the next batch "
+                                   "before job.step(loss) of this one; call it once per batch, after loss.backward()")
+                t0 = time.perf_counter()
+                batch = None if emulated else t.inputs(next(loader))
+                t.clock.wait += time.perf_counter() - t0
+                if batch is not None and batch[0] is None:
+                    if ctx.distributed:  # skipping would leave the other replicas waiting in the step's collective
+                        raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
+                                        "a distributed step needs at least one; see the warnings above")
+                    continue
+                self._images = cfg.data.batch_size if emulated else len(batch[1])
+                self._pending = True
+                t.compute_time.start()
+                yield batch
+        finally:
+            del loader  # stops its worker processes
+
+    def step(self, loss: torch.Tensor | float, lr: float | None = None) -> None:
+        """After loss.backward() of the batch batches() gave: the strategy's step (gradients averaged or
+        pushed, the optimizer's step, new values pulled), then the job's sync point when this step is
+        one. loss: the batch's loss, for the job's figures (no host sync: it stays on the device).
+        lr: this step's learning rate (None: the recipe's schedule, optim.lr and its warm-up and decay)."""
+        self._wrapped("step")
+        if not self._pending:
+            raise RunError("job.step() was called twice for one batch, or before the first: call it once per batch "
+                           "of job.batches(), after loss.backward()")
+        if all(p.grad is None for p in self.strategy.params):
+            raise RunError("job.step(): the model has no gradients; call loss.backward() before job.step()")
+        self._pending = False
+        t, sched = self.tracker, self.schedule
+        if self._slow:
+            time.sleep(self._slow)  # testing only: an emulated straggler
+        t.compute_time.stop()
+        if lr is None:
+            lr = lr_at(self.cfg.optim, sched.step_of(self.tick.images), sched.steps, images_per_update(self.cfg))
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        before, self.tick = self.tick, self.strategy.step(lr)
+        t.after_step(before, self.tick, loss, self._images, lr)
+        if self.tick.synced:
+            self.tick = t.sync_point(self.tick)
+
+    def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The recipe's loss of a batch, the built-in loop's: cross-entropy plus optim.weight_decay / 2
+        times the sum of squares of the weights it decays (optim.decayed: not biases or normalisation
+        scales). A loop may use its own; under parameter servers a loss's decay is the only one (the
+        shards' optimizer has none of its own)."""
+        self._wrapped("loss")
+        return loss_fn(output.float(), y, self._decayed, self.cfg.optim.weight_decay)
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether the job is over: its target reached, or a stop asked (a signal, train.target_*)."""
+        return self.tick is not None and self.tick.stop
+
+    def checkpoint(self) -> None:
+        """Ask for a checkpoint: every worker takes it together at the next sync point."""
+        self.ctx.requests |= CHECKPOINT
+
+    def figures(self) -> dict[str, Any]:
+        """End the job (every process together) and return its figures: summary.json's contents on the
+        chief, {} on the other workers. Raises errors.Stopped when a stop signal ended it early, after
+        its checkpoint. Called again, returns the same."""
+        self._wrapped("figures")
+        if self.summary is None:
+            t = self.tracker
+            try:
+                self.strategy.finish(stopped=t.stopped)  # after the last snapshot: the PS stop when every pusher is done
+            finally:
+                t.close()
+            self.summary = t.summarize(self.tick, len(self.train_set), len(self.test_set))
+            if t.stopped:
+                step = self.schedule.step_of(self.tick.images)
+                raise stopped(t.stopped, f"at step {step} of {self.schedule.steps}; the checkpoint of step {step} "
+                                         f"is in {self.run_dir / 'checkpoints'}")
+        return self.summary
+
+    # --- the job's lifetime ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "Job":
+        self._exits.enter_context(stop_signals(self.ctx, self.cfg.cluster.stopping,
+                                               escalate=not self.ctx.distributed))
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        try:
+            if exc is None and self.strategy is not None:
+                self.figures()
+            elif self.tracker is not None and self.summary is None:
+                self.tracker.close()  # nothing half-written: the checkpoint writer finishes
+        except BaseException as e:  # noqa: BLE001 - ending the job can fail too (a stop, a lost peer)
+            exc = e
+            if not self._launched:
+                raise
+        finally:
+            self._exits.close()
+        if self._launched:
+            join.end_or_exit(self.ctx, exc)  # exits this process unless the job ended well
+        return False
+
+    def _wrapped(self, what: str) -> None:
+        if self.strategy is None:
+            raise RunError(f"job.{what}() before job.wrap(model): the job trains the model it wraps")
+
+
+def _default_run_dir() -> Path:
+    name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else "job"
+    return Path(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -1,0 +1,38 @@
+"""The built-in training loop: the recipe's network, batch -> forward/backward -> job.step.
+
+It is a Job's loop like any user's (job.py): the job runs until its target
+is reached (schedule.py: images whose gradients were applied, the same unit
+for every strategy), or a target accuracy or loss is, and does at its sync
+points what tracker.py says. What the built-in loop adds: the recipe's
+network (models/), its loss with weight decay, precision and torch.compile,
+and emulated compute (train.emulate_compute_s: compute.Emulated).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .comm.groups import Context
+from .compute import Backprop, Emulated
+from .config import Config
+from .job import Job
+from .models import build_model
+
+
+def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
+          ctx: Context | None = None) -> dict[str, Any]:
+    """Run the worker loop of this process; returns the summary (the chief writes it, the other
+    workers return {}). Raises Stopped when a stop signal ended the job early (after its checkpoint)."""
+    with Job(cfg, run_dir, resume, progress, ctx) as job:
+        forward, opt = job.wrap(build_model(cfg.model))
+        if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
+            compute = Emulated(cfg, job.strategy.model, job.device)
+        else:
+            compute = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, job.device)
+        for batch in job.batches():
+            loss, _ = compute(batch)  # forward and backward: .grad holds this replica's gradient
+            job.step(loss)
+        return job.figures()
