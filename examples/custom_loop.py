@@ -16,10 +16,11 @@ def main() -> None:
     ap.add_argument("--recipe", default="recipes/digits.toml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--run-dir")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
     args = ap.parse_args()
     cfg = scaletrain.load_config(args.recipe, args.overrides)
 
-    with scaletrain.Job.from_env(cfg, run_dir=args.run_dir) as job:
+    with scaletrain.Job.from_env(cfg, run_dir=args.run_dir, resume=args.resume) as job:
         network = scaletrain.build_model(cfg.model)  # or any torch.nn.Module of yours
         model, optimizer = job.wrap(network)  # the strategy around it; resumed from the run's checkpoint
         for x, y in job.batches():  # this replica's share of each global batch, until the job's target

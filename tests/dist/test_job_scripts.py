@@ -1,0 +1,131 @@
+"""A user's own loop (examples/custom_loop.py, on scaletrain.Job) as every process of real jobs: the
+local launcher started by the script itself, torchrun's agents, a stop signal and a resume, and a
+loop that forgets job.step. The outcome is checked, not only the exit status."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, scaletrain_cmd
+
+LOOP = ROOT / "examples" / "custom_loop.py"
+DIGITS = str(ROOT / "recipes" / "digits.toml")
+SYNC_2X2 = ["strategy.name=sync", "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.num_ps=1"]
+
+
+def sets(*overrides):
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def script(*args, **kw):
+    return subprocess.run([sys.executable, str(LOOP), "--recipe", DIGITS, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 300), **kw)
+
+
+def test_custom_loop_under_the_local_launcher_matches_the_command_line(tmp_path):
+    """The acceptance run: 2 nodes x 2 replicas and a sync PS on digits, the script's loop against
+    `scaletrain train` of the same config."""
+    mine = script(*sets(*SYNC_2X2), "--run-dir", str(tmp_path / "mine"))
+    assert mine.returncode == 0, mine.stderr[-3000:]
+    cli = subprocess.run(scaletrain_cmd("train", "--recipe", DIGITS, *sets(*SYNC_2X2), "--run-dir",
+                                        str(tmp_path / "cli"), "--quiet"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    a, b = (json.loads((tmp_path / r / "summary.json").read_text()) for r in ("mine", "cli"))
+    assert (a["replicas"], a["num_ps"], a["strategy"], a["steps"]) == (4, 1, "sync", 400)
+    assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 0.01, (a["test_accuracy"], b["test_accuracy"])
+    assert a["test_accuracy"] > 0.9
+    # The job's figures: images applied over the job's training time (its timed windows, after the
+    # warm-up steps), as metrics.jsonl's rows count them; not a sum of the replicas' rates.
+    assert a["images_applied"] == 400 * 4 * 32
+    rows = [json.loads(r) for r in (tmp_path / "mine" / "metrics.jsonl").read_text().splitlines()]
+    timed = [(r, q) for q, r in zip(rows, rows[1:]) if r["kind"] == q["kind"] == "train" and "images_per_sec" in r]
+    applied = sum(r["images"] - q["images"] for r, q in timed)
+    assert a["images_per_sec"] == pytest.approx(applied / sum(r["train_wall"] - q["train_wall"] for r, q in timed),
+                                                rel=0.02)
+    assert f"test accuracy {a['test_accuracy']:.4f}; {a['images_per_sec']:.0f} images/s" in mine.stdout
+    roles = [json.loads((tmp_path / "mine" / "logs" / f"rank{r}.json").read_text())["role"] for r in range(5)]
+    assert roles == ["worker"] * 4 + ["ps"]
+    assert not any("Traceback" in (tmp_path / "mine" / "logs" / f"rank{r}.log").read_text() for r in range(1, 5))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_custom_loop_under_two_torchrun_agents_with_a_parameter_server(tmp_path):
+    """Each agent's processes take their plan node from SCALETRAIN_PLAN_NODE; the PS's process serves
+    its shard inside Job.from_env and exits there."""
+    run_dir = tmp_path / "run"
+    overrides = ["cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync", "train.steps=20", "data.workers=0",
+                 "train.eval_every=10", "cluster.timeout_s=30"]
+    port, agents = free_port(), []
+    for node, procs in ((1, 2), (0, 1)):  # node 2's agent joins first
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes=2", f"--nproc-per-node={procs}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=loop-{port}",
+               "--max-restarts=0", str(LOOP), "--recipe", DIGITS, *sets(*overrides), "--run-dir", str(run_dir)]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, SCALETRAIN_PLAN_NODE=str(node)),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        time.sleep(1.0)
+    outs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["nodes"], summary["num_ps"], summary["replicas"], summary["steps"]) == (2, 1, 2, 20)
+    assert summary["test_accuracy"] is not None and "test accuracy" in outs[1]
+    ranks = [json.loads((run_dir / "logs" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [(r["role"], r["node"], r["launcher"]) for r in ranks] == \
+        [("worker", 0, "torchrun"), ("worker", 1, "torchrun"), ("ps", 1, "torchrun")]
+
+
+def test_a_stopped_custom_loop_checkpoints_and_its_resume_ends_the_job(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*sets("cluster.gpus_per_node=2", "train.steps=400", "train.eval_every=0", "train.log_every=10"),
+            "--run-dir", str(run_dir)]
+    p = subprocess.Popen([sys.executable, str(LOOP), "--recipe", DIGITS, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("step 30/"):
+            break
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 75, err[-2000:]
+    saved = sorted((run_dir / "checkpoints").glob("*.pt"))
+    assert len(saved) == 1 and not (run_dir / "summary.json").exists()
+    step = int(saved[0].stem.split("-")[1])
+    assert 30 <= step < 400 and "checkpoint" in err
+    again = script(*args, "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["start_step"], summary["steps"]) == (step, 400)
+
+
+FORGETS = """
+import sys
+import scaletrain
+
+cfg = scaletrain.load_config(sys.argv[1], ["cluster.gpus_per_node=2", "train.steps=50", "cluster.timeout_s=20"])
+with scaletrain.Job.from_env(cfg, run_dir=sys.argv[2]) as job:
+    model, optimizer = job.wrap(scaletrain.build_model(cfg.model))
+    for x, y in job.batches():
+        optimizer.zero_grad()
+        job.loss(model(x), y).backward()  # and no job.step(loss)
+"""
+
+
+def test_a_distributed_loop_that_forgets_the_step_fails_in_one_line_not_a_hang(tmp_path):
+    path = tmp_path / "forgets.py"
+    path.write_text(FORGETS)
+    start = time.time()
+    r = subprocess.run([sys.executable, str(path), DIGITS, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "asked for the next batch before job.step(loss)" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and time.time() - start < 60
