@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from scaletrain.study.grid import cells, parse_grid
 from scaletrain.cli import main
 from scaletrain.study.learning import UntilError, parse_until
 
-from conftest import RECIPES
+import user_models
+from conftest import RECIPES, ROOT
 
 DIGITS = str(RECIPES / "digits.toml")
 
@@ -429,3 +431,20 @@ def test_a_stop_signal_stops_the_sweep_not_only_its_cell(tmp_path):
     assert p.returncode == 75, err
     assert "sweep stopped" in err and first.parent.name in err and "stopped by SIGTERM at step" in err, err
     assert [d.name for d in (out / "cells").iterdir()] == [first.parent.name]  # no cell after it started
+
+
+def test_bench_and_report_of_a_users_network(tmp_path, monkeypatch):
+    """A network by import path (tests/user_models.py) through bench, its rows and the report, as the
+    built-in ResNets go: the rows name it and count its own parameters."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "bench"
+    assert main(["bench", "--recipe", DIGITS, "--set", "data.workers=0", "--set", "model.name=user_models:batchnorm",
+                 "--grid", "cluster.nodes=1,2", "--warmup", "2", "--steps", "8",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "bench-rows.json").read_text())
+    params = sum(p.numel() for p in user_models.batchnorm(10).parameters())
+    assert [(r["nodes"], r["model"], r["parameters"]) for r in rows] == \
+        [(1, "user_models:batchnorm", params), (2, "user_models:batchnorm", params)]
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["images_per_sec"] / rows[0]["images_per_sec"])
+    page = check_report(out / "report" / "report.html")
+    assert "allreduce, 2 nodes (2 workers)" in page.cells
