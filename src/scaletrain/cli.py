@@ -12,11 +12,12 @@ from pathlib import Path
 from . import doctor
 from .config import field_docs, load_config
 from .data.shards import pack, parse_size
-from .errors import USER_ERRORS, ConfigError, Finished, GridError, LaunchError, PlanError, Stopped
+from .errors import REPORTED, ConfigError, GridError
 from .launch import preflight, slurm, torchrun
 from .launch.env import plan_for
 from .perfmodel import commands
 from .plan import format_table, node_line
+from .launch import supervise
 from .run import run_dir_for, run_training
 from .rundir import prepare_run_dir
 from .study import bench, learning, report
@@ -175,22 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "slurm":
             return _slurm(args, cfg, run_dir)
         summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
-    except (PlanError, LaunchError, ConfigError) as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 2
-    except USER_ERRORS as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 1
-    except Finished as e:  # nothing to do: the run's results stand as they are
-        print(f"scaletrain: {e}")
-        return 0
-    except Stopped as e:
-        print(f"scaletrain: {e}", file=sys.stderr)
-        return e.status
-    except KeyboardInterrupt as e:
-        print(f"scaletrain: interrupted; {e or 'the newest checkpoint in ' + str(run_dir / 'checkpoints') + ' is complete'}",
-              file=sys.stderr)
-        return 130
+    except REPORTED as e:
+        return supervise.report(e, run_dir)
     print(f"run dir: {run_dir}")
     print(summary_line(summary))
     return 0

@@ -84,3 +84,8 @@ class Finished(Exception):
 # ModelNameError is among them for a job process (a node where the user's module does not import);
 # before the job starts it is a ConfigError, status 2 (the launcher builds the network first).
 USER_ERRORS = (RunError, DataError, PretrainedError, CheckpointError, ModelNameError)
+
+
+# What a job's starter (the command line, a script that starts its job) reports in one line:
+# launch/supervise.report.
+REPORTED = (PlanError, LaunchError, ConfigError, *USER_ERRORS, Stopped, Finished, KeyboardInterrupt)

@@ -24,7 +24,7 @@ from scaletrain.replicas import evaluate
 # tensor that DDP must copy into the bucket. Phase "kept" is Backprop as built; phase "dropped"
 # forces zero_grad(set_to_none=True), which shows that the hook tells the two apart.
 DDP_SCRIPT = r'''
-import json, sys, datetime
+import datetime, json, os, sys
 import torch, torch.distributed as tdist
 from scaletrain.compute import Backprop, grads_to_none
 from scaletrain.config import load_config
@@ -58,7 +58,12 @@ for phase in ("kept", "dropped"):
         work(next(batches)); opt.step()
         res[phase].append([seen[i] == v for i, v in enumerate(views)])
     res[phase + "_after"] = [p.grad.data_ptr() for p in model.parameters()] == views
-json.dump(res, open(f"{out}/ddp{rank}.json", "w"))
+with open(f"{out}/ddp{rank}.json", "w") as f:
+    json.dump(res, f)
+tdist.destroy_process_group()
+# As a job's processes end (launch/join.exit_now): without interpreter teardown, in which gloo's threads
+# being destroyed aborted a finished process (SIGABRT) now and then on a loaded machine.
+os._exit(0)
 tdist.destroy_process_group()
 '''
 

@@ -24,7 +24,8 @@ from typing import Any
 from ..checkpoint import list_complete, position, write_file
 from ..data import check_data
 from ..device import facts
-from ..errors import EXIT_STOPPED, USER_ERRORS, ConfigError, LaunchError, PlanError, RunError, Stopped
+from ..errors import (EXIT_STOPPED, REPORTED, ConfigError, Finished, LaunchError, PlanError, RunError,
+                      Stopped)
 from ..models import check_network
 from ..rundir import prepare_run_dir
 from ..schedule import step_images
@@ -83,20 +84,27 @@ def run_script(cfg, run_dir: Path, resume: bool, progress: bool, script: list[st
         launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())
         resume = prepare_run_dir(run_dir, resume, cfg)
         run(cfg, run_dir, resume, progress, script)
-    except (PlanError, LaunchError, ConfigError) as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 2
-    except USER_ERRORS as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 1
-    except Stopped as e:
+    except REPORTED as e:
+        return report(e, run_dir)
+    return 0
+
+
+def report(e: BaseException, run_dir: Path | None) -> int:
+    """Say in one line how a job that its starter ran (one of errors.REPORTED) ended; its exit status:
+    2 a job that cannot start as asked (a ModelNameError among them), 1 one that failed, a stopped
+    job's, 130 Ctrl-C, 0 a run that was already over."""
+    if isinstance(e, Finished):  # nothing to do: the run's results stand as they are
+        print(f"scaletrain: {e}")
+        return 0
+    if isinstance(e, KeyboardInterrupt):
+        where = e or f"the newest checkpoint in {run_dir / 'checkpoints'} is complete"
+        print(f"scaletrain: interrupted; {where}", file=sys.stderr)
+        return 130
+    if isinstance(e, Stopped):
         print(f"scaletrain: {e}", file=sys.stderr)
         return e.status
-    except KeyboardInterrupt:
-        print(f"scaletrain: interrupted; the newest checkpoint in {run_dir / 'checkpoints'} is complete",
-              file=sys.stderr)
-        return 130
-    return 0
+    print(f"scaletrain: error: {e}", file=sys.stderr)
+    return 2 if isinstance(e, (PlanError, LaunchError, ConfigError)) else 1
 
 
 def _without(cfg, culprit: dict):
