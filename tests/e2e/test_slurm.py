@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,6 +113,23 @@ def test_train_inside_an_allocation_uses_slurm(cluster, tmp_path):
     assert [(p["launcher"], p["SLURMD_NODENAME"]) for p in procs] == \
         [("slurm", h) for h in expected_hosts(run_dir)]
     assert procs[2]["role"] == "ps" and procs[2]["SLURMD_NODENAME"] == procs[1]["SLURMD_NODENAME"]
+
+
+def test_a_custom_loop_inside_an_allocation_runs_as_one_srun_step(cluster, tmp_path):
+    """examples/custom_loop.py started by sbatch: Job.from_env starts the job's srun step, whose tasks run
+    the script again and join as the job's processes."""
+    run_dir = tmp_path / "loop"
+    cmd = " ".join([sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--recipe", DIGITS, "--run-dir",
+                    str(run_dir), *sets(*SMALL, "cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync")])
+    r = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={tmp_path}/out-%j.txt", f"--chdir={ROOT}",
+                        "--wrap", cmd], env=cluster.env, capture_output=True, text=True, timeout=300)
+    out = "\n".join(p.read_text() for p in tmp_path.glob("out-*.txt"))
+    assert r.returncode == 0, r.stderr + out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "Slurm job" in out and f"test accuracy {summary['test_accuracy']:.4f}; " in out  # the script's own line
+    procs = placement(run_dir)
+    assert [(p["launcher"], p["role"], p["SLURMD_NODENAME"]) for p in procs] == \
+        [("slurm", role, h) for role, h in zip(("worker", "worker", "ps"), expected_hosts(run_dir))]
 
 
 def test_failed_job_returns_its_status(cluster, tmp_path):
