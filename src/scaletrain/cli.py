@@ -16,6 +16,7 @@ from .errors import REPORTED, ConfigError, GridError
 from .launch import preflight, slurm, torchrun
 from .launch.env import plan_for
 from .perfmodel import commands
+from .models import check_network
 from .plan import format_table, node_line
 from .launch import supervise
 from .run import run_dir_for, run_training
@@ -247,6 +248,7 @@ def _slurm(args, cfg, run_dir: Path) -> int:
         preflight.check_fit(plan_for(cfg), cfg, name, nodes, args.mem)
         checked = f"Fits partition {name}'s nodes (sinfo: {preflight.describe(nodes)})."
     run_dir = run_dir.resolve()
+    check_network(cfg)  # a network by import path that fails here would fail on every node, after the queue
     prepare_run_dir(run_dir, args.resume, cfg)
     path = slurm.write(cfg, run_dir, partition=args.partition, time=args.time, account=args.account,
                        warn_before=args.warn_before, requeue=not args.no_requeue, resume=args.resume,

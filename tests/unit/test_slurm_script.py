@@ -8,6 +8,7 @@ import pytest
 
 from conftest import RECIPES
 
+from scaletrain.cli import main
 from scaletrain.config import load_config
 from scaletrain.launch import cpus, preflight, slurm
 from scaletrain.launch.join import launcher_threads
@@ -153,3 +154,14 @@ def test_wait_says_each_change_of_the_jobs_state():
     assert lines == ["Slurm job 7: pending, reason Resources", "Slurm job 7: pending, reason Priority",
                      "Slurm job 7: running on n[1-4]", "Slurm job 7: pending (requeued 1x), reason BeginTime",
                      "Slurm job 7: running (requeued 1x) on n[1-4]"]
+
+
+def test_a_network_that_cannot_be_built_is_refused_before_the_script(tmp_path, capsys):
+    """Checked where `scaletrain slurm` runs, not after the queue on every node: one line naming
+    model.name, no job script written."""
+    run_dir = tmp_path / "run"
+    assert main(["slurm", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir),
+                 "--set", "model.name=user_models:wrong_output"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("scaletrain: error: model.name = 'user_models:wrong_output'") and "has shape (2, 11)" in err, err
+    assert not (run_dir / "job.sbatch").exists()
