@@ -13,12 +13,12 @@ from . import doctor
 from .config import field_docs, load_config
 from .data.shards import pack, parse_size
 from .errors import REPORTED, ConfigError, GridError
-from .launch import preflight, slurm, torchrun
+from .launch import env as launch_env, preflight, slurm, supervise, torchrun
 from .launch.env import plan_for
-from .perfmodel import commands
+from .launch.join import exit_now
 from .models import check_network
+from .perfmodel import commands
 from .plan import format_table, node_line
-from .launch import supervise
 from .run import run_dir_for, run_training
 from .rundir import prepare_run_dir
 from .study import bench, learning, report
@@ -179,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
     except REPORTED as e:
         return supervise.report(e, run_dir)
-    print(f"run dir: {run_dir}")
-    print(summary_line(summary))
+    if summary:  # a worker of a torchrun or srun job other than the chief has none: the chief reports
+        print(f"run dir: {run_dir}")
+        print(summary_line(summary))
+    if launch_env.in_torchrun() or launch_env.in_slurm_step():
+        exit_now(0)  # a job's process, its work done: no interpreter teardown (launch/join.exit_now)
     return 0
 
 

@@ -20,7 +20,6 @@ from .device import facts
 from .errors import LaunchError
 from .launch import entry, supervise
 from .launch import env as launch_env
-from .launch.join import exit_now
 from .loop import train
 from .models import check_network
 from .rundir import prepare_run_dir
@@ -38,7 +37,9 @@ def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
 
 def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True,
                  plan_node: int | None = None) -> dict[str, Any]:
-    """Train cfg into run_dir; the run's summary (summary.json).
+    """Train cfg into run_dir; the run's summary (summary.json). Under torchrun or srun, where this
+    process is one of the job's: the summary on the chief, {} on the other workers, and a process
+    that ends otherwise (a parameter server, a failure, a stop) exits with its status (entry.process).
 
     Raises PlanError, LaunchError or ConfigError (a job that cannot start as asked: ModelNameError
     for a network by import path that cannot be built or does not fit the data), one of
@@ -53,6 +54,6 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
         check_network(cfg)  # a network by import path: built once and its output checked (models/factory.py)
         return train(cfg, run_dir, resume=resume, progress=progress)
     resume = prepare_run_dir(run_dir, resume, cfg)
-    if launch_env.in_torchrun() or launch_env.in_slurm_step():
-        exit_now(entry.run(cfg, run_dir, resume, progress, node=plan_node))
+    if launch_env.in_torchrun() or launch_env.in_slurm_step():  # this process is one of the job's
+        return entry.process(cfg, run_dir, resume, progress, node=plan_node)
     return supervise.run(cfg, run_dir, resume, progress)

@@ -129,3 +129,26 @@ def test_a_distributed_loop_that_forgets_the_step_fails_in_one_line_not_a_hang(t
     assert r.returncode == 1, r.stderr[-2000:]
     assert "asked for the next batch before job.step(loss)" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and time.time() - start < 60
+
+
+TRAINS = """
+import json, os, sys
+import scaletrain
+
+summary = scaletrain.train(sys.argv[1], {"cluster.gpus_per_node": 2, "train.steps": 10, "data.workers": 0,
+                                         "train.eval_every": 10}, run_dir=sys.argv[2], progress=False)
+with open(os.path.join(sys.argv[3], f"after{os.environ['LOCAL_RANK']}.json"), "w") as f:
+    json.dump(summary, f)  # the script goes on after the job
+"""
+
+
+def test_scaletrain_train_under_torchrun_returns_the_summary_to_the_script(tmp_path):
+    path = tmp_path / "trains.py"
+    path.write_text(TRAINS)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(path), DIGITS, str(tmp_path / "run"),
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    chief, other = (json.loads((tmp_path / f"after{k}.json").read_text()) for k in (0, 1))
+    assert chief == json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (chief["replicas"], chief["steps"]) == (2, 10) and other == {}
