@@ -36,25 +36,25 @@ from typing import Any
 
 import torch
 
+from . import schedule
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
+from .compute import keep_freed_memory
 from .config import Config, dump_toml, load_config
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
-from .errors import ConfigError, RunError
+from .errors import ConfigError, LaunchError, RunError
 from .launch import env as launch_env, join, supervise
 from .metrics import start_up
 from .optim import build_optimizer, decayed, loss_fn, lr_at
 from .replicas import load_replica_buffers
 from .resume import resume_from
 from .rundir import make as make_run_dir, prepare_run_dir
-from . import schedule
 from .strategies.base import Tick
 from .strategies.build import build_strategy
 from .strategies.traits import entry, images_per_update
 from .tracker import Tracker
-from .compute import keep_freed_memory
 
 log = logging.getLogger("scaletrain")
 
@@ -125,8 +125,13 @@ class Job:
             run_dir = Path(launched or run_dir)
             if launched:  # the job's config as its launcher resolved it: the port, a restart's node count
                 cfg = load_config(run_dir / "config.toml")
-            resume = os.environ.get(launch_env.RESUME_ENV, str(int(resume))) == "1"
-            node = os.environ.get(launch_env.PLAN_NODE_ENV)
+                resume = os.environ.get(launch_env.RESUME_ENV) == "1"
+            else:  # every process checks the run directory, as `scaletrain train` under torchrun does
+                resume = prepare_run_dir(run_dir, resume, cfg)
+            node = os.environ.get(launch_env.PLAN_NODE_ENV, "")
+            if node and not node.isdigit():
+                raise LaunchError(f"{launch_env.PLAN_NODE_ENV} = {node!r}: expected this agent's node index in the "
+                                  "plan (`scaletrain plan` numbers them from 0)")
             ctx = join.join_or_exit(cfg, run_dir, resume, progress, int(node) if node else None)
             try:
                 job = cls(cfg, run_dir, resume, progress, ctx)
