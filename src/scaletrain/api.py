@@ -37,7 +37,9 @@ def train(config_or_recipe: Config | str | Path, overrides: Mapping[str, Any] | 
     be given the same one); resume: continue the run in it.
     Raises ConfigError, PlanError or LaunchError for a job that cannot start as asked, one of
     errors.USER_ERRORS for one that failed, Stopped when a stop signal ended it after its checkpoint:
-    str() of each is one line."""
+    str() of each is one line. Under torchrun or srun this process is one of the job's: it returns
+    the summary on the chief and {} on the other workers, and a process that fails, is stopped or
+    serves a parameter-server shard exits inside with its status, its peers told."""
     sets = [f"{k}={toml_value(v)}" for k, v in overrides.items()] if isinstance(overrides, Mapping) else list(overrides)
     if isinstance(config_or_recipe, Config):
         cfg, name = build_config(config_or_recipe.to_dict(), sets, origin="the Config given"), "job"

@@ -44,7 +44,7 @@ from .compute import keep_freed_memory
 from .config import Config, dump_toml, load_config
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
-from .errors import ConfigError, LaunchError, RunError
+from .errors import REPORTED, ConfigError, LaunchError, RunError
 from .launch import env as launch_env, join, supervise
 from .metrics import start_up
 from .optim import build_optimizer, decayed, loss_fn, lr_at
@@ -91,7 +91,10 @@ class Job:
         self.cfg, self.ctx, self.run_dir, self.progress = cfg, ctx or single(), Path(run_dir), progress
         self.resume = prepare_run_dir(self.run_dir, resume, cfg) if not self.ctx.distributed else resume
         self._exits = ExitStack()
-        self._launched = False  # joined here by from_env: its end is this process's (launch/join.py)
+        self._joined = False  # joined its job in from_env: its end is this process's (launch/join.py)
+        self._script = False  # made by from_env for a script: errors end it as the command line's do
+        self._entered = False  # inside `with job:` (stop signals caught, the job ended on leaving)
+        self._stopped: BaseException | None = None  # figures()' Stopped, raised again if called again
         setup_process(cfg)
         self.device = torch.device(self.ctx.me.device) if self.ctx.distributed else pick_device(cfg)
         if self.device.type == "cuda":
@@ -117,33 +120,29 @@ class Job:
         that the local launcher or a Slurm step started for this script takes the job's config from
         RUN_DIR/config.toml, as its launcher resolved it (the port; a restart's node count)."""
         if not cfg.distributed:
-            return cls(cfg, run_dir or _default_run_dir(), resume, progress)
+            job = cls(cfg, run_dir or _default_run_dir(), resume, progress)
+            job._script = True
+            return job
         launched = os.environ.get(launch_env.RUN_DIR_ENV)  # a process launch/supervise.py started
         if launched or launch_env.in_torchrun() or launch_env.in_slurm_step():
-            if not (launched or run_dir):
-                raise RunError("under torchrun or srun every process must be given the same run_dir")
-            run_dir = Path(launched or run_dir)
-            if launched:  # the job's config as its launcher resolved it: the port, a restart's node count
-                cfg = load_config(run_dir / "config.toml")
-                resume = os.environ.get(launch_env.RESUME_ENV) == "1"
-            else:  # every process checks the run directory, as `scaletrain train` under torchrun does
-                resume = prepare_run_dir(run_dir, resume, cfg)
-            node = os.environ.get(launch_env.PLAN_NODE_ENV, "")
-            if node and not node.isdigit():
-                raise LaunchError(f"{launch_env.PLAN_NODE_ENV} = {node!r}: expected this agent's node index in the "
-                                  "plan (`scaletrain plan` numbers them from 0)")
-            ctx = join.join_or_exit(cfg, run_dir, resume, progress, int(node) if node else None)
+            try:  # before this process joins: a line and an exit status of its own, as `scaletrain train`'s
+                cfg, run_dir, resume, node = _joining(cfg, launched, run_dir, resume)
+            except REPORTED as e:
+                join.exit_now(supervise.report(e, Path(run_dir or ".")))
+            ctx = join.join_or_exit(cfg, run_dir, resume, progress, node)
             try:
                 job = cls(cfg, run_dir, resume, progress, ctx)
             except BaseException as e:  # noqa: BLE001 - the peers must hear of it, not wait
                 join.end_or_exit(ctx, e)
                 raise
-            job._launched = True
+            job._joined = job._script = True
             return job
+        main = sys.modules.get("__main__")
         script = [sys.argv[0], *sys.argv[1:]]
-        if not script[0] or script[0] == "-c":
-            raise RunError("a distributed Job started outside torchrun, srun or a script: run it as a script "
-                           "(python SCRIPT.py), which then starts every process of the job")
+        if not (getattr(main, "__file__", None) and os.path.exists(script[0])
+                and os.path.samefile(main.__file__, script[0])):
+            raise RunError("a distributed Job.from_env outside torchrun or srun starts its processes by running this "
+                           "script again: run it as `python SCRIPT.py ...` (not from -c, a notebook or a shell)")
         sys.exit(supervise.run_script(cfg, Path(run_dir) if run_dir else _default_run_dir(), resume, progress,
                                       script))
 
@@ -157,6 +156,9 @@ class Job:
         the shards step the recipe's [optim]."""
         if self.strategy is not None:
             raise RunError("job.wrap() was called twice: a job trains one model")
+        if not self._entered:
+            raise RunError("job.wrap() outside `with`: write `with Job.from_env(cfg) as job:`, so that the job "
+                           "catches stop signals and ends with its peers whatever ends the loop")
         if not isinstance(model, torch.nn.Module):
             raise RunError(f"job.wrap() takes a torch.nn.Module, not {type(model).__name__}")
         cfg, ctx, device = self.cfg, self.ctx, self.device
@@ -191,7 +193,8 @@ class Job:
         model.train()
         if ctx.distributed:
             t.bar.message(start_up("data ready, training"))
-        return self.strategy.wrap(), opt
+        # Emulated compute runs no backward: the strategy averages in its step, not in a DDP's backward.
+        return (self.strategy.model if cfg.train.emulate_compute_s else self.strategy.wrap()), opt
 
     def batches(self):
         """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
@@ -268,9 +271,17 @@ class Job:
     def figures(self) -> dict[str, Any]:
         """End the job (every process together) and return its figures: summary.json's contents on the
         chief, {} on the other workers. Raises errors.Stopped when a stop signal ended it early, after
-        its checkpoint. Called again, returns the same."""
+        its checkpoint. Called again, returns or raises the same. A loop must run job.batches() to its
+        end: a replica that left it early would leave the others waiting in the next step's collective."""
         self._wrapped("figures")
+        if self._stopped is not None:
+            raise self._stopped
         if self.summary is None:
+            if not self.tick.stop:
+                step = self.schedule.step_of(self.tick.images)
+                raise RunError(f"the loop left job.batches() at step {step} of {self.schedule.steps}, before the "
+                               "job's end: every replica runs it to its end (train.steps, train.epochs, a target "
+                               "reached or a stop)")
             t = self.tracker
             try:
                 self.strategy.finish(stopped=t.stopped)  # after the last snapshot: the PS stop when every pusher is done
@@ -279,8 +290,9 @@ class Job:
             self.summary = t.summarize(self.tick, len(self.train_set), len(self.test_set))
             if t.stopped:
                 step = self.schedule.step_of(self.tick.images)
-                raise stopped(t.stopped, f"at step {step} of {self.schedule.steps}; the checkpoint of step {step} "
-                                         f"is in {self.run_dir / 'checkpoints'}")
+                self._stopped = stopped(t.stopped, f"at step {step} of {self.schedule.steps}; the checkpoint of "
+                                                   f"step {step} is in {self.run_dir / 'checkpoints'}")
+                raise self._stopped
         return self.summary
 
     # --- the job's lifetime ---------------------------------------------------------------------------
@@ -288,27 +300,53 @@ class Job:
     def __enter__(self) -> "Job":
         self._exits.enter_context(stop_signals(self.ctx, self.cfg.cluster.stopping,
                                                escalate=not self.ctx.distributed))
+        self._entered = True
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
+        """The job ends here: figures() after a loop that ran to its end; after an error, the checkpoint
+        being written finishes. A process that joined its job in from_env then ends with its peers (and
+        exits, unless the job ended well); a script's own job says a user error in one line and exits
+        with the command line's status for it."""
+        raised = None
         try:
             if exc is None and self.strategy is not None:
                 self.figures()
             elif self.tracker is not None and self.summary is None:
                 self.tracker.close()  # nothing half-written: the checkpoint writer finishes
         except BaseException as e:  # noqa: BLE001 - ending the job can fail too (a stop, a lost peer)
-            exc = e
-            if not self._launched:
-                raise
+            exc = raised = e
         finally:
             self._exits.close()
-        if self._launched:
+        if self._joined:
             join.end_or_exit(self.ctx, exc)  # exits this process unless the job ended well
+        elif self._script and isinstance(exc, REPORTED):
+            sys.exit(supervise.report(exc, self.run_dir))
+        if raised is not None:
+            raise raised
         return False
 
     def _wrapped(self, what: str) -> None:
         if self.strategy is None:
             raise RunError(f"job.{what}() before job.wrap(model): the job trains the model it wraps")
+
+
+def _joining(cfg: Config, launched: str | None, run_dir, resume: bool) -> tuple[Config, Path, bool, int | None]:
+    """(config, run directory, resume, plan node) of a process about to join its job: as its launcher
+    resolved them (launch/supervise.py: RUN_DIR/config.toml and the environment), or, under torchrun
+    or srun, as given, the run directory checked as `scaletrain train` checks it there."""
+    if not (launched or run_dir):
+        raise LaunchError("under torchrun or srun every process must be given the same run_dir")
+    run_dir = Path(launched or run_dir)
+    if launched:  # the job's config as its launcher resolved it: the port, a restart's node count
+        cfg, resume = load_config(run_dir / "config.toml"), os.environ.get(launch_env.RESUME_ENV) == "1"
+    else:
+        resume = prepare_run_dir(run_dir, resume, cfg)
+    node = os.environ.get(launch_env.PLAN_NODE_ENV, "")
+    if node and not node.isdigit():
+        raise LaunchError(f"{launch_env.PLAN_NODE_ENV} = {node!r}: expected this agent's node index in the plan "
+                          "(`scaletrain plan` numbers them from 0)")
+    return cfg, run_dir, resume, int(node) if node else None
 
 
 def _default_run_dir() -> Path:

@@ -152,3 +152,53 @@ def test_scaletrain_train_under_torchrun_returns_the_summary_to_the_script(tmp_p
     chief, other = (json.loads((tmp_path / f"after{k}.json").read_text()) for k in (0, 1))
     assert chief == json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (chief["replicas"], chief["steps"]) == (2, 10) and other == {}
+
+
+GRADS = """
+import json, sys
+import torch
+import scaletrain
+
+def main():
+    cfg = scaletrain.load_config(sys.argv[1], ["cluster.gpus_per_node=2", "train.steps=1", "train.emulate_compute_s=0.01",
+                                               "optim.momentum=0", "train.eval_every=0"])
+    with scaletrain.Job.from_env(cfg, run_dir=sys.argv[2]) as job:
+        model, _ = job.wrap(torch.nn.Linear(4, 10))
+        before = [p.detach().clone() for p in model.parameters()]
+        for batch in job.batches():
+            assert batch is None  # emulated compute: no data read
+            for p in model.parameters():  # gradients written without a backward, one value a replica
+                p.grad = torch.full_like(p, 1.0 + job.ctx.me.index)
+            job.step(0.0, lr=0.1)
+        moved = [(b - p.detach()).flatten().tolist() for b, p in zip(before, model.parameters())]
+        with open(f"{sys.argv[2]}/moved{job.ctx.me.index}.json", "w") as f:
+            json.dump(moved, f)
+
+sys.exit(main())  # None: status 0, as the interpreter says
+"""
+
+
+def test_emulated_gradients_are_averaged_by_the_step_and_sys_exit_none_is_success(tmp_path):
+    """No backward runs under train.emulate_compute_s: the strategy averages in its step (no DDP, whose
+    averaging rides on backward, is built). Replicas with gradients 1 and 2 both move by lr x 1.5."""
+    path, run_dir = tmp_path / "grads.py", tmp_path / "run"
+    path.write_text(GRADS)
+    r = subprocess.run([sys.executable, str(path), DIGITS, str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for index in (0, 1):
+        moved = json.loads((run_dir / f"moved{index}.json").read_text())
+        assert all(m == pytest.approx(0.15) for values in moved for m in values), (index, moved)
+
+
+def test_a_script_under_torchrun_without_a_run_dir_says_so_in_one_line(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(LOOP), "--recipe", DIGITS,
+                        *sets("cluster.gpus_per_node=2")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.startswith("scaletrain:")]
+    # torchrun stops the other process once one has failed: one line or two, each the same
+    assert lines and set(lines) == {"scaletrain: error: under torchrun or srun every process must be given the same "
+                                    "run_dir"}, r.stderr[-2000:]
+    # torchrun's own traceback (its ChildFailedError) follows; none from the script's processes
+    assert "custom_loop.py\", line" not in r.stderr and not (tmp_path / "runs").exists(), r.stderr[-3000:]

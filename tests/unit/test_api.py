@@ -104,23 +104,38 @@ def test_a_loop_that_steps_wrong_is_told_in_one_line(digits_cfg, tmp_path, mista
     assert "\n" not in str(e.value)
 
 
-def test_wrap_once_and_before_anything_else(digits_cfg, tmp_path):
+def test_wrap_once_inside_with_and_before_anything_else(digits_cfg, tmp_path):
     cfg = digits_cfg("train.steps=2")
     job = Job(cfg, tmp_path / "r", progress=False)
-    with pytest.raises(RunError, match=r"job.batches\(\) before job.wrap"):
-        next(job.batches())
-    job.wrap(torch.nn.Linear(3, 10))
-    with pytest.raises(RunError, match="called twice: a job trains one model"):
+    with pytest.raises(RunError, match=r"job.wrap\(\) outside `with`"):
         job.wrap(torch.nn.Linear(3, 10))
-    job.tracker.close()
+    with pytest.raises(RunError, match=r"job.wrap\(\) was called twice: a job trains one model"):
+        with job:
+            with pytest.raises(RunError, match=r"job.batches\(\) before job.wrap"):
+                next(job.batches())
+            job.wrap(torch.nn.Linear(3, 10))
+            job.wrap(torch.nn.Linear(3, 10))
+
+
+def test_a_loop_that_leaves_its_batches_early_is_told_so(digits_cfg, tmp_path):
+    """Left early, a replica would leave the others waiting in the next collective: an error instead."""
+    cfg = digits_cfg("train.steps=10")
+    with pytest.raises(RunError, match="the loop left job.batches.. at step 3 of 10, before the job's end"):
+        with Job(cfg, tmp_path / "r", progress=False) as job:
+            model, optimizer = job.wrap(scaletrain.build_model(cfg.model))
+            for i, (x, y) in enumerate(job.batches()):
+                job.loss(model(x), y).backward()
+                job.step(0.0)
+                if i == 2:
+                    break
 
 
 def test_parameter_servers_take_no_optimizer_of_the_users(digits_cfg, tmp_path):
     cfg = digits_cfg("strategy.name=sync", "cluster.nodes=2", "cluster.num_ps=1")
-    job = Job(cfg, tmp_path / "r", progress=False)
     model = torch.nn.Linear(3, 10)
     with pytest.raises(ConfigError, match="strategy.name = 'sync': its parameter servers apply the updates"):
-        job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with Job(cfg, tmp_path / "r", progress=False) as job:
+            job.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_a_users_optimizer_is_stepped_where_replicas_apply_updates(digits_cfg, tmp_path):

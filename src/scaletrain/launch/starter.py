@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import runpy
 import sys
@@ -39,8 +40,10 @@ def _child(spec: dict, starter: int) -> None:
     os.environ.update(spec["env"])
     try:
         rc = run_script(spec["script"]) if spec.get("script") else main(spec["argv"])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter ends: None is 0, a message goes to stderr with status 1
+        rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr, flush=True)
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback to the log, status 1
         traceback.print_exc()
         rc = 1
@@ -49,6 +52,7 @@ def _child(spec: dict, starter: int) -> None:
 
 def run_script(script: list[str]) -> int:
     """Run a user's script as `python SCRIPT ARGS...` would: as __main__, its folder first on sys.path."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as entry.main's
     sys.argv = list(script)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
     runpy.run_path(script[0], run_name="__main__")
