@@ -106,6 +106,7 @@ class Job:
         self.strategy = self.tracker = self.tick = None
         self.summary: dict[str, Any] | None = None
         self._pending = False  # a batch was given and its step not yet taken
+        self._averaging, self._forwards = False, 0  # forwards through wrap()'s module since the last step
         self._images = 0  # the images of the batch given last
 
     # --- the constructor for scripts ------------------------------------------------------------------
@@ -194,7 +195,14 @@ class Job:
         if ctx.distributed:
             t.bar.message(start_up("data ready, training"))
         # Emulated compute runs no backward: the strategy averages in its step, not in a DDP's backward.
-        return (self.strategy.model if cfg.train.emulate_compute_s else self.strategy.wrap()), opt
+        module = self.strategy.model if cfg.train.emulate_compute_s else self.strategy.wrap()
+        self._averaging = module is not self.strategy.model  # in the backward of a forward through module
+        if self._averaging:
+            module.register_forward_pre_hook(self._forwarded)
+        return module, opt
+
+    def _forwarded(self, module, args) -> None:
+        self._forwards += 1
 
     def batches(self):
         """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
@@ -238,7 +246,10 @@ class Job:
                            "of job.batches(), after loss.backward()")
         if all(p.grad is None for p in self.strategy.params):
             raise RunError("job.step(): the model has no gradients; call loss.backward() before job.step()")
-        self._pending = False
+        if self._averaging and not self._forwards:
+            raise RunError("job.step(): the batch's forward did not run through the module job.wrap() returned, "
+                           "whose backward averages the replicas' gradients; call that module, not the network")
+        self._pending, self._forwards = False, 0
         t, sched = self.tracker, self.schedule
         if self._slow:
             time.sleep(self._slow)  # testing only: an emulated straggler

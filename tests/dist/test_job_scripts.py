@@ -202,3 +202,30 @@ def test_a_script_under_torchrun_without_a_run_dir_says_so_in_one_line(tmp_path)
                                     "run_dir"}, r.stderr[-2000:]
     # torchrun's own traceback (its ChildFailedError) follows; none from the script's processes
     assert "custom_loop.py\", line" not in r.stderr and not (tmp_path / "runs").exists(), r.stderr[-3000:]
+
+
+BYPASS = """
+import sys
+import scaletrain
+
+cfg = scaletrain.load_config(sys.argv[1], ["cluster.gpus_per_node=2", "train.steps=5"])
+with scaletrain.Job.from_env(cfg, run_dir=sys.argv[2]) as job:
+    network = scaletrain.build_model(cfg.model)
+    model, optimizer = job.wrap(network)
+    for x, y in job.batches():
+        optimizer.zero_grad()
+        job.loss(network(x), y).backward()  # the network itself, not the module wrap() returned
+        job.step(0.0)
+"""
+
+
+def test_a_forward_around_the_wrapped_module_is_an_error_not_unaveraged_gradients(tmp_path):
+    """Under allreduce the replicas' gradients are averaged in the backward of a forward through the
+    module job.wrap() returned (DistributedDataParallel): a loop that calls the network itself would
+    train every replica on its own gradient, silently."""
+    path = tmp_path / "bypass.py"
+    path.write_text(BYPASS)
+    r = subprocess.run([sys.executable, str(path), DIGITS, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "the batch's forward did not run through the module job.wrap() returned" in r.stderr, r.stderr[-2000:]
