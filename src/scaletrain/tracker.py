@@ -101,6 +101,9 @@ class Tracker:
             if rate is not None:
                 row.update(images_per_sec=rate, data_wait_fraction=window[2] / window[1])
                 self._watch_input(window[2] / window[1])
+            noise = self.strategy.noise.window() if self.strategy.noise is not None else None
+            if noise is not None:
+                row["noise_scale"] = noise
             if self.rec:
                 self.rec.row("train", step, **row)
             self.bar.update(step, self.last_loss, rate or 0.0)
@@ -262,5 +265,7 @@ class Tracker:
             "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images,
             "emulated_compute_s": self.cfg.train.emulate_compute_s,
+            # The gradient noise scale (noise.py), smoothed to the last log point; None where none was measured
+            "noise_scale": self.strategy.noise.value if self.strategy.noise is not None else None,
             "not_applied": self.not_applied}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())

@@ -2,8 +2,9 @@
 
 Where the replica runs backward, its forward goes through DistributedDataParallel
 (`wrap`): the gradients are all-reduced in buckets while backward still runs, and
-backward returns with them averaged. strategy.compression puts a DDP
-communication hook on it that sends the buckets in a half type. Where nothing runs
+backward returns with them averaged. Its communication hook sends the
+buckets in a half type (strategy.compression) and measures the gradient noise
+scale on the way (noise.py). Where nothing runs
 backward (train.emulate_compute_s fills .grad itself, compute.py) there are no
 hooks to fire, and `step` averages every gradient in one flat all-reduce instead.
 
@@ -23,17 +24,18 @@ import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
+from ..noise import NoiseScale
 from .base import Strategy, Tick
 
 NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in \
     inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers"
 
 
-def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None,
-                  counters=None) -> DistributedDataParallel:
+def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None, counters=None,
+                  noise: NoiseScale | None = None) -> DistributedDataParallel:
     """`model` under DistributedDataParallel over `group`: backward returns with the gradients averaged
     over it, their buckets all-reduced while it still runs (in `wire`'s type when given, counting in
-    `counters` what is sent)."""
+    `counters` what is sent), and, with `noise`, each bucket's squared norms before and after."""
     dev = next(model.parameters()).device
     # init_sync off: every replica already holds the same values (one seed, or one checkpoint), and
     # a broadcast from the first would overwrite each replica's own BatchNorm statistics on resume.
@@ -41,25 +43,31 @@ def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None
     # saves them); torch 2.13 renamed that switch.
     ddp = DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None, process_group=group,
                                   init_sync=False, gradient_as_bucket_view=True, **{NO_BUFFER_SYNC: False})
-    if wire is not None:
-        ddp.register_comm_hook((group, wire, counters), half_hook)
+    if wire is not None or noise is not None:
+        ddp.register_comm_hook((group, wire, counters, noise), bucket_hook)
     return ddp
 
 
-def half_hook(state, bucket):  # unannotated: DDP checks a return annotation against the type itself
-    """A DDP communication hook: the bucket divided by the group's size, all-reduced in a half type
-    (half the bytes of fp32), copied back into the bucket. Counts the bytes it sends, so a figure of
-    bytes is of what crossed, not of what was configured. (torch's fp16/bf16 hooks do the same but
-    say nothing of what they sent.)"""
-    group, wire, counters = state
+def bucket_hook(state, bucket):  # unannotated: DDP checks a return annotation against the type itself
+    """A DDP communication hook: the bucket divided by the group's size and all-reduced, as DDP's own
+    all-reduce does, in a half type when `wire` is given (half the bytes of fp32; the bytes it sends
+    counted, so a figure of bytes is of what crossed: torch's fp16/bf16 hooks say nothing of it), and
+    with `noise` the squared norms of this replica's bucket and of the group's mean (noise.py).
+    Neither costs a host-device sync."""
+    group, wire, counters, noise = state
     buffer = bucket.buffer()
-    moving = buffer.to(wire).div_(dist.get_world_size(group))
-    if counters is not None:
-        count_ring(counters, dist.get_world_size(group), moving.numel() * moving.element_size())
+    size = dist.get_world_size(group)
+    own = torch.dot(buffer, buffer) if noise is not None else None
+    moving = buffer.div_(size) if wire is None else buffer.to(wire).div_(size)
+    if counters is not None and wire is not None:
+        count_ring(counters, size, moving.numel() * moving.element_size())
     fut = dist.all_reduce(moving, group=group, async_op=True).get_future()  # collective, overlaps backward
 
     def unpack(f):
-        return buffer.copy_(f.value()[0])
+        mean = f.value()[0] if wire is None else buffer.copy_(f.value()[0])
+        if noise is not None:
+            noise.add(own, torch.dot(mean, mean))
+        return mean
 
     return fut.then(unpack)
 
@@ -114,7 +122,9 @@ class AllReduce(Strategy):
         if self.group is None:
             return self.model
         if self.ddp is None:
-            self.ddp = data_parallel(self.model, self.group, self.wire, self.counters)
+            b = self.cfg.data.batch_size
+            self.noise = NoiseScale(b, b * self.world, self.params[0].device)
+            self.ddp = data_parallel(self.model, self.group, self.wire, self.counters, self.noise)
         return self.ddp
 
     def step(self, lr: float) -> Tick:
@@ -130,6 +140,8 @@ class AllReduce(Strategy):
             elif self.wire is None:  # DDP's own all-reduce of the buckets (with a wire type the hook counts)
                 count_ring(self.counters, self.world, self.numel * grads[0].dtype.itemsize)
             asked = self._asked()
+        if self.noise is not None:
+            self.noise.step()
         self.set_lr(lr)
         self.optimizer.step()
         self.counters.steps += 1

@@ -18,6 +18,7 @@ import torch
 
 from ..comm.groups import Context
 from ..metrics import DeviceTimer
+from ..noise import NoiseScale
 from ..ps.protocol import WIRE
 from ..schedule import Schedule
 
@@ -69,6 +70,8 @@ class Strategy:
         self.counters = Counters(self.params[0].device)
         self.images = 0  # where every replica applies every update: the job's progress
         self.wire = WIRE[cfg.strategy.compression]  # the type gradients and values travel in between nodes
+        # The gradient noise scale's sums, where backward averages over a group of replicas (noise.py)
+        self.noise: NoiseScale | None = None
 
     def wrap(self) -> torch.nn.Module:
         """The module a replica's forward and backward run through: the model itself, or a wrapper

@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 from ..optim import state_keys
 from ..ps import protocol as P
 from ..ps.sharding import gather, make_layout, scatter_
+from ..noise import NoiseScale
 from .allreduce import average_, count_ring, data_parallel
 from .base import Strategy, Tick
 
@@ -59,7 +60,9 @@ class PSClient(Strategy):
         """Where a node's replicas average before pushing: DistributedDataParallel over the node, so the
         averaging runs while backward does (the node's GPUs: NCCL); the push follows it."""
         if self.group is not None and self.ddp is None:
-            self.ddp = data_parallel(self.model, self.group)
+            b = self.cfg.data.batch_size
+            self.noise = NoiseScale(b, b * self.group_size, self.params[0].device)
+            self.ddp = data_parallel(self.model, self.group, noise=self.noise)
         return self.ddp or self.model
 
     def step(self, lr: float) -> Tick:
@@ -67,6 +70,7 @@ class PSClient(Strategy):
         # stream reaches them. The push syncs once its payloads are queued, as it needs them on the host.
         grads = self.grads()
         if self.ddp is not None:  # averaged in backward
+            self.noise.step()
             count_ring(self.counters, self.group_size, self.numel * grads[0].element_size(), "intra_s")
         elif self.group is not None:  # no backward ran through DDP (train.emulate_compute_s): average here
             average_(grads, self.group, self.group_size, self.counters, "intra_s", self._flat("grads"))

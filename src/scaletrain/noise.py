@@ -1,0 +1,82 @@
+"""The gradient noise scale, measured while training (McCandlish et al. 2018, "An Empirical Model
+of Large-Batch Training", appendix A).
+
+The simple noise scale B_simple = tr(Sigma) / |G|^2: Sigma the covariance of one example's gradient,
+G the true gradient. The batch that trains about as well per image as the smallest and about as
+fast per step as the largest is of that order: steps to a target go as S = S_min (1 + B_noise / B).
+
+A gradient over a batch of B examples has E|g_B|^2 = |G|^2 + tr(Sigma) / B. Data-parallel
+training holds two batch sizes at every step with no extra work: each replica's own gradient (b
+images) and their average over the group of n replicas (n b), which DistributedDataParallel makes
+in backward (strategies/allreduce.py's hook measures both per bucket). From the two squared norms:
+
+    |G|^2     ~ (n b |g_nb|^2 - b |g_b|^2) / (n b - b)
+    tr(Sigma) ~ (|g_b|^2 - |g_nb|^2) / (1/b - 1/(n b))
+
+Each is unbiased but noisy, so each is smoothed (a mean over a log window, then an exponential
+moving average over windows) before their ratio is taken, as the paper does. A replica's own
+squared norm stands for the replicas' mean: it is unbiased, and the average over steps takes out
+the rest. No estimate without two batch sizes: one replica (no group), or gradients made up
+(train.emulate_compute_s) that no backward computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SMOOTHING = 0.2  # weight of the newest log window in the moving averages
+
+
+def two_batch(small_sq: float, big_sq: float, b_small: int, b_big: int) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) estimated from the squared norms of gradients over b_small and b_big examples."""
+    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    s = (small_sq - big_sq) / (1 / b_small - 1 / b_big)
+    return g2, s
+
+
+class NoiseScale:
+    """Sums of squared gradient norms at two batch sizes, accumulated on the device a bucket at a time
+    (no host sync), and read at log points into smoothed estimates."""
+
+    def __init__(self, b_small: int, b_big: int, device: torch.device) -> None:
+        if b_big <= b_small:
+            raise ValueError(f"two batch sizes are needed, got {b_small} and {b_big}")
+        self.b_small, self.b_big = b_small, b_big
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # [own |g_b|^2, averaged |g_nb|^2]
+        self.steps = 0
+        self.g2 = self.s = None  # the moving averages, None before the first window
+
+    def add(self, own: torch.Tensor, averaged: torch.Tensor) -> None:
+        """One bucket's squared norms (0-d tensors on the device): this replica's, and the group's mean's."""
+        self.sums[0] += own
+        self.sums[1] += averaged
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def window(self) -> float | None:
+        """Close a log window: fold its mean squared norms into the moving averages and return the
+        noise scale so far (None while |G|^2 is not yet positive). A host-device sync: log points only."""
+        if not self.steps:
+            return self.value
+        small, big = (self.sums / self.steps).tolist()
+        self.sums.zero_()
+        self.steps = 0
+        g2, s = two_batch(small, big, self.b_small, self.b_big)
+        if self.g2 is None:
+            self.g2, self.s = g2, s
+        else:
+            self.g2 += SMOOTHING * (g2 - self.g2)
+            self.s += SMOOTHING * (s - self.s)
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        """B_simple, in images; None before a window, or while the smoothed |G|^2 is not positive or
+        tr(Sigma) negative (the gradient lost in its noise: no estimate, rather than a negative or
+        infinite one)."""
+        if self.g2 is None or not self.g2 > 0 or not self.s >= 0 or not math.isfinite(self.s):
+            return None
+        return self.s / self.g2

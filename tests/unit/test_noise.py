@@ -1,0 +1,60 @@
+"""The gradient noise scale's estimator (noise.py) on a problem whose answer is known.
+
+Linear regression y = x . w* + e, x ~ N(0, I_d), e ~ N(0, sigma^2), loss (x . w - y)^2 / 2, at a
+fixed w = w* + delta. One example's gradient is (x . delta - e) x: its mean is G = delta and
+tr(Sigma) = E|g|^2 - |G|^2 = |delta|^2 (d + 1) + sigma^2 d, so B_simple = d + 1 + sigma^2 d / |delta|^2.
+"""
+
+import math
+
+import pytest
+import torch
+
+from scaletrain.noise import NoiseScale, two_batch
+
+D, SIGMA = 10, 1.0
+
+
+def known(delta: torch.Tensor) -> float:
+    return D + 1 + SIGMA ** 2 * D / float(delta.dot(delta))
+
+
+def batch_gradient(delta, b, gen):
+    x = torch.randn(b, D, generator=gen, dtype=torch.float64)
+    e = SIGMA * torch.randn(b, generator=gen, dtype=torch.float64)
+    return x.T @ (x @ delta - e) / b
+
+
+def test_two_batch_inverts_the_expected_norms():
+    g2, s = 3.0, 48.0
+    assert two_batch(g2 + s / 8, g2 + s / 32, 8, 32) == (pytest.approx(g2), pytest.approx(s))
+
+
+@pytest.mark.parametrize("replicas, b", [(4, 8), (2, 16)])
+def test_the_estimate_is_within_ten_percent_of_the_known_noise_scale(replicas, b):
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.full((D,), 1 / math.sqrt(D), dtype=torch.float64)  # |delta| = 1: B_simple = 21
+    noise = NoiseScale(b, replicas * b, torch.device("cpu"))
+    for _ in range(40):  # log windows
+        for _ in range(100):  # steps
+            grads = [batch_gradient(delta, b, gen) for _ in range(replicas)]
+            mean = sum(grads) / replicas
+            noise.add(grads[0].dot(grads[0]), mean.dot(mean))  # one replica's own norm, as each replica has
+            noise.step()
+        noise.window()
+    assert noise.value == pytest.approx(known(delta), rel=0.10), (noise.value, known(delta))
+
+
+def test_no_estimate_before_a_window_or_while_the_gradient_is_lost_in_noise():
+    noise = NoiseScale(8, 16, torch.device("cpu"))
+    assert noise.value is None and noise.window() is None
+
+    def window(small, big):
+        noise.add(torch.tensor(small), torch.tensor(big))
+        noise.step()
+        return noise.window()
+
+    assert window(1.0, 1.0) == 0.0  # the mean's norm as large as one replica's: no noise
+    assert window(40.0, 1.0) is None  # |G|^2 = (16 - 320) / 8 < 0: smoothed, still below 0
+    with pytest.raises(ValueError, match="two batch sizes"):
+        NoiseScale(8, 8, torch.device("cpu"))
