@@ -12,18 +12,20 @@ from pathlib import Path
 from . import doctor
 from .config import field_docs, load_config
 from .data.shards import pack, parse_size
-from .errors import REPORTED, ConfigError, GridError
+from .errors import REPORTED, ConfigError, GridError, UntilError
 from .launch import env as launch_env, preflight, slurm, supervise, torchrun
 from .launch.env import plan_for
 from .launch.join import exit_now
 from .models import check_network
 from .perfmodel import commands
+from .perfmodel.recommend import OBJECTIVES
 from .plan import format_table, node_line
 from .run import run_dir_for, run_training
 from .rundir import prepare_run_dir
 from .study import bench, learning, report
 from .study.bench import IMPOSED
 from .study.grid import cells, parse_grid
+from .study.learning import parse_until
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,7 +114,12 @@ def _parser() -> argparse.ArgumentParser:
                     "the optimisation)")
     pr.add_argument("--batches", metavar="B1,B2,...", help="--recommend: the batches per replica to try "
                     "(instead of --max-batch)")
-    pr.add_argument("--objective", choices=("throughput", "efficiency"), default="throughput")
+    pr.add_argument("--objective", choices=OBJECTIVES, default="throughput",
+                    help="--recommend: rank by throughput, efficiency, or the hours to --until's target")
+    pr.add_argument("--until", metavar="accuracy=A|loss=L", help="the target to predict updates, images and hours to "
+                    "(with --learning)")
+    pr.add_argument("--learning", type=Path, metavar="RUN_DIR", help="a run on this workload that reached --until's "
+                    "target, with 2 or more replicas (its gradient noise scale): what time to accuracy is predicted from")
     pr.add_argument("--min-efficiency", type=float, default=0.0)
     pr.add_argument("--max-staleness", type=float, help="leave out configurations with more mean staleness")
     pr.add_argument("--validate", nargs="+", type=Path, metavar="BENCH_DIR",
@@ -191,17 +198,18 @@ def _predict(args) -> int:
     """`predict`, `predict --recommend` or `predict --validate`; only the first reads --grid."""
     if args.validate:
         return commands.validate_command(args.profile, args.validate, args.out, args.format)
+    try:
+        target = parse_until(args.until)
+        grid = cells(parse_grid(args.grid))
+    except (GridError, UntilError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
     if args.recommend:
         return commands.recommend_command(args.profile, args.recipe, args.overrides, args.format, args.spread,
                                           args.max_nodes, args.max_batch, args.batches, args.objective,
-                                          args.min_efficiency, args.max_staleness)
-    try:
-        grid = cells(parse_grid(args.grid))
-    except GridError as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
-        return 2
+                                          args.min_efficiency, args.max_staleness, target, args.learning)
     return commands.predict_command(args.profile, args.recipe, args.overrides, grid, args.format, args.spread,
-                                    args.images, args.epochs)
+                                    args.images, args.epochs, target, args.learning)
 
 
 def _plan(args, cfg, run_dir: Path) -> int:

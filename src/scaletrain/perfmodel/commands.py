@@ -12,7 +12,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 from ..config import Config, build_config, load_config
 from ..errors import USER_ERRORS, ConfigError, LaunchError, ModelError, PlanError, ProfileError
@@ -22,6 +21,7 @@ from .predict import add_time, predict, table
 from .profile import Profile, dump_profile, fits, largest_batch, load_profile, memory_text
 from .recommend import batch_candidates, recommend, recommend_table
 from .setup import check_workload
+from .statistical import Learning, add_target, read_learning
 from .validate import speedup_errors, staleness_errors, validate_rows, validate_table
 
 
@@ -64,12 +64,15 @@ def workload(profile: str, recipe: str | None, overrides: list[str], spread: flo
 
 def predict_command(profile: str, recipe: str | None, overrides: list[str], cells: list[dict[str, str]],
                     fmt: str = "table", spread: float = 0.0, images: int | None = None,
-                    epochs: float | None = None) -> int:
+                    epochs: float | None = None, target: tuple[str, float] | None = None,
+                    learning: Path | None = None) -> int:
     """`scaletrain predict`: the predicted figures of each cell of the grid (cells: {key: value}
     each; [{}] is the recipe alone), with seconds per epoch of `images` and hours to train
-    `epochs` (defaults: the profile's, else the recipe's epochs). Status 1 when a cell could not
-    be predicted."""
+    `epochs` (defaults: the profile's, else the recipe's epochs), and with `target` (--until) the
+    updates, images and hours to it from the measured run in `learning` (statistical.py). Status 1
+    when a cell could not be predicted."""
     try:
+        measured = learned(target, learning)
         prof, cfg = workload(profile, recipe, overrides, spread)
         images = prof.dataset_images if images is None else images
         epochs = (prof.epochs or cfg.train.epochs) if epochs is None else epochs
@@ -81,29 +84,40 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
     for cell in cells:
         label = ", ".join(f"{k}={v}" for k, v in cell.items()) or "recipe"
         try:
-            row = add_time(predict_cell(cfg, cell, prof, spread), images, epochs)
+            c = build_config(cfg.to_dict(), [f"{k}={v}" for k, v in cell.items()])
+            row = add_time(predict(c, prof, spread), images, epochs)
+            if measured:
+                row = add_target(row, c, measured)
         except (ConfigError, ModelError) as e:
             row = {"label": label, "error": str(e)}
         rows.append({"cell": cell, "label": label, **row})
     if fmt == "json":
         print(json.dumps(rows, indent=1))
     else:
+        if measured:
+            print(f"predict: to {measured.describe()}", file=sys.stderr)
         print(table(rows))
     return 1 if any(r.get("error") for r in rows) else 0
 
 
-def predict_cell(cfg: Config, cell: dict[str, str], prof: Profile, spread: float) -> dict[str, Any]:
-    return predict(build_config(cfg.to_dict(), [f"{k}={v}" for k, v in cell.items()]), prof, spread)
+def learned(target: tuple[str, float] | None, learning: Path | None) -> Learning | None:
+    """The measured run that time to a target is predicted from; both --until and --learning, or neither."""
+    if (target is None) != (learning is None) or (target and target[0] == "epochs"):
+        raise ModelError("time to a target needs --until accuracy=A or loss=L and --learning RUN_DIR (a run that "
+                         "reached it, measured on this workload)")
+    return read_learning(learning, target) if target else None
 
 
 def recommend_command(profile: str, recipe: str | None, overrides: list[str], fmt: str = "table",
                       spread: float = 0.0, max_nodes: int = 16, max_batch: int | None = None,
                       batches: str | None = None, objective: str = "throughput", min_efficiency: float = 0.0,
-                      max_staleness: float | None = None) -> int:
+                      max_staleness: float | None = None, target: tuple[str, float] | None = None,
+                      learning: Path | None = None) -> int:
     """`scaletrain predict --recommend`: the best configuration per node count up to max_nodes,
     trying the batches per replica `batches` ("16,32") or those up to max_batch (default: the
     recipe's batch only)."""
     try:
+        measured = learned(target, learning)
         prof, cfg = workload(profile, recipe, overrides, spread)
         if max_nodes < 1:
             return fail(f"--max-nodes {max_nodes}: must be >= 1")
@@ -116,7 +130,11 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
         print(f"recommend: up to {max_nodes} nodes of {prof.describe()}", file=sys.stderr)
         asked = batches is not None or max_batch is not None
         print(f"recommend: {batch_note(tried, cfg.data.batch_size, prof, asked)}", file=sys.stderr)
-        entries = recommend(cfg, prof, max_nodes, objective, min_efficiency, max_staleness, spread, batches=tried)
+        if measured:
+            print(f"recommend: to {measured.describe()}; asynchronous strategies left out (their stale gradients "
+                  "change the updates to a target)", file=sys.stderr)
+        entries = recommend(cfg, prof, max_nodes, objective, min_efficiency, max_staleness, spread, batches=tried,
+                            learning=measured)
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))
     if fmt == "json":

@@ -140,21 +140,29 @@ def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: the predicted figures of each row, with its bottleneck (and epoch and training
-    time where the rows have them)."""
+    time, and the updates, images and hours to a target, where the rows have them)."""
     timed = any("epoch_s" in r for r in rows)
     trained = any("train_hours" in r for r in rows)
-    extra = (" Epoch (h) |" if timed else "") + (" Training time (h) |" if trained else "")
+    targeted = any("target_hours" in r or "target_note" in r for r in rows)
+    extra = (" Epoch (h) |" if timed else "") + (" Training time (h) |" if trained else "") + \
+        (" Updates to target | Images to target | Hours to target |" if targeted else "")
+    columns = 10 + timed + trained + 3 * targeted
     lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step (ms) | Bottleneck | PS CPU | "
-             "Busiest link | Staleness mean / p95 | Method |" + extra, "|---" * (10 + timed + trained) + "|"]
+             "Busiest link | Staleness mean / p95 | Method |" + extra, "|---" * columns + "|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | not predicted: {r['error']} |" + " |" * (8 + timed + trained))
+            lines.append(f"| {r['label']} | not predicted: {r['error']} |" + " |" * (columns - 2))
             continue
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f} / {r['staleness_p95']:.0f}" + \
             (f", drops {r['dropped_fraction']:.0%}" if r["dropped_fraction"] else "")
+        if "target_hours" in r:
+            target = f" {r['target_updates']:.0f} | {r['target_images']:.3g} | {r['target_hours']:.2f} |"
+        else:
+            target = f" {r.get('target_note', '-')} | | |"
         lines.append(f"| {scaling.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
                      f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
                      f"{r['link_util']:.2f} | {stale} | {r['method']} |"
                      + (f" {r['epoch_s'] / 3600:.2f} |" if timed else "")
-                     + (f" {r['train_hours']:.1f} |" if trained else ""))
+                     + (f" {r['train_hours']:.1f} |" if trained else "")
+                     + (target if targeted else ""))
     return "\n".join(lines)

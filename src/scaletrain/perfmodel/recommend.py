@@ -27,6 +27,7 @@ from .predict import predict
 from .profile import Profile, fits, memory_at
 from .scaling import setup
 from .setup import ModelError
+from .statistical import Learning, add_target
 
 def node_counts(max_nodes: int) -> list[int]:
     counts, n = [], 1
@@ -73,17 +74,30 @@ def candidates(cfg: Config, total: int) -> list[Config]:
     return out
 
 
+OBJECTIVES = ("throughput", "efficiency", "time-to-accuracy")
+
+
 def value(row: dict[str, Any], objective: str) -> float:
-    """The objective, counting only gradients that are applied."""
+    """The objective, higher is better, counting only gradients that are applied: for time to
+    accuracy, targets reached per hour (statistical.py)."""
+    if objective == "time-to-accuracy":
+        return 1 / row["target_hours"]
     return row["images_per_sec" if objective == "throughput" else "efficiency"] * (1 - row["dropped_fraction"])
+
+
+def compare(row: dict[str, Any], other: dict[str, Any], objective: str) -> str:
+    """How row stands against other: '-17% throughput', or '+0.40 h to the target (2.10x the images)'."""
+    if objective == "time-to-accuracy":
+        return (f"{row['target_hours'] - other['target_hours']:+.2f} h to the target "
+                f"({row['target_images'] / other['target_images']:.2f}x the images)")
+    return f"{value(row, objective) / value(other, objective) - 1:+.0%} {objective}"
 
 
 def why(loser: dict[str, Any], best: dict[str, Any], objective: str) -> str:
     """'-17% throughput; PS CPU busy 0.83 of the step; mean staleness 7.0'."""
     others = {k: v for k, v in loser["busy"].items() if k != "compute"}
     limit = max(others, key=others.get)
-    reason = f"{value(loser, objective) / value(best, objective) - 1:+.0%} {objective}; {limit} busy " \
-             f"{others[limit]:.2f} of the step"
+    reason = f"{compare(loser, best, objective)}; {limit} busy {others[limit]:.2f} of the step"
     if loser["dropped_fraction"]:
         reason += f"; drops {loser['dropped_fraction']:.0%} of gradients"
     if loser.get("staleness_mean"):
@@ -95,11 +109,16 @@ def why(loser: dict[str, Any], best: dict[str, Any], objective: str) -> str:
 
 def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "throughput",
               min_efficiency: float = 0.0, max_staleness: float | None = None, spread: float = 0.0,
-              runners_up: int = 3, progress: bool = True, batches: list[int] | None = None) -> list[dict[str, Any]]:
+              runners_up: int = 3, progress: bool = True, batches: list[int] | None = None,
+              learning: Learning | None = None) -> list[dict[str, Any]]:
     """One entry per node count: {"nodes": T, "best": row, "runners_up": [(row, reason), ...],
     "batch_reason": str, "considered": n, "batches": tried, "unfit": left out for memory};
     best is None when no candidate meets the limits. batches: the batches per replica to try
-    (default: the recipe's); the runners-up are other configurations at the chosen batch."""
+    (default: the recipe's); the runners-up are other configurations at the chosen batch. learning:
+    the measured run that time to accuracy is predicted from (statistical.py), needed by that
+    objective, which leaves out the strategies it cannot predict (asynchronous ones)."""
+    if objective == "time-to-accuracy" and learning is None:
+        raise ModelError("--objective time-to-accuracy needs --learning RUN_DIR and --until accuracy=A or loss=L")
     recipe = cfg.data.batch_size
     batches = sorted(set(batches or [recipe]))
     unfit = [b for b in batches if not fits(p, b)]
@@ -110,10 +129,12 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
         for b in tried:
             for c in candidates(cfg.replace(**{"data.batch_size": b}), total):
                 try:
-                    rows.append(predict(c, p, spread))
+                    row = predict(c, p, spread)
                 except ModelError:
                     continue  # a shape the profile's nodes cannot hold
+                rows.append(add_target(row, c, learning) if learning else row)
         ok = [r for r in rows if r["efficiency"] >= min_efficiency
+              and (objective != "time-to-accuracy" or "target_hours" in r)
               and (max_staleness is None or (r["staleness_mean"] or 0.0) <= max_staleness)]
         top = max((value(r, objective) for r in ok), default=1.0)
         # Near-ties (within 1%) go to the fresher gradients, then to the batch nearest the recipe's
@@ -143,16 +164,18 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
         elif tops.get(recipe) is None and recipe in tops:
             said.append(f"none at the recipe's {recipe} meets the limits")
         elif tops.get(recipe) is not None:
-            said.append(f"{value(best, objective) / value(tops[recipe], objective) - 1:+.0%} {objective} "
-                        f"over the recipe's {recipe}")
+            said.append(f"{compare(best, tops[recipe], objective)} over the recipe's {recipe}")
     larger = sorted(c for c in tops if c > b)
     if larger:
         c = larger[0]
         if tops[c] is None:
             said.append(f"none at {c} meets the limits")
         else:
-            gain = value(tops[c], objective) / value(best, objective) - 1
-            said.append(f"{c} gains only {gain:+.1%}")  # a near-tie: see the sort above
+            if objective == "time-to-accuracy":
+                said.append(f"{c}: {compare(tops[c], best, objective)}")
+            else:
+                gain = value(tops[c], objective) / value(best, objective) - 1
+                said.append(f"{c} gains only {gain:+.1%}")  # a near-tie: see the sort above
     elif [c for c in unfit if c > b]:
         c = min(c for c in unfit if c > b)
         said.append(f"the largest tried that fits: {c} needs {memory_at(p, c) / 1e9:.1f} GB > "
@@ -161,16 +184,19 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
 
 
 def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
+    timed = objective == "time-to-accuracy"
     lines = [f"| Nodes | Recommended ({objective}) | Batch per replica | Images per update | img/s | Speedup | "
-             "Efficiency | Why this batch | Runners-up at that batch and why they lose |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Efficiency |" + (" Hours to target | Images to target |" if timed else "")
+             + " Why this batch | Runners-up at that batch and why they lose |",
+             "|---" * (9 + 2 * timed) + "|"]
     for e in entries:
         b = e["best"]
         if b is None:
-            lines.append(f"| {e['nodes']} | none meets the limits ({e['considered']} considered) | | | | | | | |")
+            lines.append(f"| {e['nodes']} | none meets the limits ({e['considered']} considered) |" + " |" * (7 + 2 * timed))
             continue
         losers = "; ".join(f"{setup(r)}: {reason}" for r, reason in e["runners_up"]) or "-"
         lines.append(f"| {e['nodes']} | {setup(b)} | {b['batch_per_replica']} | {b['update_batch']} | "
                      f"{b['images_per_sec']:.1f} | {b['speedup']:.2f} | {b['efficiency']:.2f} | "
-                     f"{e['batch_reason'] or '-'} | {losers} |")
+                     + (f"{b['target_hours']:.2f} | {b['target_images']:.3g} | " if timed else "")
+                     + f"{e['batch_reason'] or '-'} | {losers} |")
     return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Time to a target under the performance model (perfmodel/statistical.py), on a toy with a known
+answer: a batch per replica of 128 is 3.1x faster per image than 32, but with a gradient noise scale
+of 8 images it needs 3.4x the images to the target, so 32 reaches it sooner; ranked by throughput,
+128 wins.
+
+The measured run is written here as a run directory would hold it: reached 0.9 accuracy after
+32,000 images at 32 images per update (1,000 updates), noise scale 8 there. Then
+S_min = 1000 / (1 + 8/32) = 800 updates, and at 128 images per update 800 (1 + 8/128) = 850 updates,
+108,800 images."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.config import dump_toml, load_config
+from scaletrain.perfmodel.profile import Profile, dump_profile
+from scaletrain.perfmodel.recommend import recommend
+from scaletrain.perfmodel.setup import ModelError
+from scaletrain.perfmodel.statistical import Learning, read_learning
+
+GB = 1_000_000_000
+# One replica a node; compute 0.9 s + 0.1 s per 32 images; a network so fast it does not matter.
+TOY = Profile(model="resnet8", image_size=16, batch_per_replica=32, gradient_bytes=1_000_000, replicas_per_node=1,
+              compute_s=1.0, compute_base_s=0.9, optimizer_s=0.01, intra_bandwidth=1e12, intra_latency=0.0,
+              net_bandwidth=1e12, net_latency=0.0, local_bandwidth=1e12, ps_apply_rate=1e12,
+              device_memory=40 * GB, memory_base=GB, memory_per_image=GB // 10)
+RECIPE = ["model.name=resnet8", "data.image_size=16", "data.batch_size=32", "cluster.gpus_per_node=1"]
+
+
+def measured_run(tmp_path, noise=8.0, accuracy=(0.5, 0.9)):
+    """A run of 2 replicas x 16 images (32 an update) that reached accuracy[1] at 32,000 images."""
+    run = tmp_path / "measured"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(load_config(None, ["data.batch_size=16", "cluster.gpus_per_node=2"])))
+    rows = [{"kind": "train", "step": s, "images": 32 * s, "loss": 1.0, "noise_scale": noise if s > 200 else 2 * noise}
+            for s in range(100, 1300, 100)]
+    rows += [{"kind": "eval", "step": 500, "images": 16000, "test_accuracy": accuracy[0]},
+             {"kind": "eval", "step": 1000, "images": 32000, "test_accuracy": accuracy[1]}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_steps_at_another_update_follow_the_noise_scale_law(tmp_path):
+    learning = read_learning(measured_run(tmp_path), ("accuracy", 0.9))
+    assert (learning.images, learning.update, learning.noise_scale) == (32000, 32, 8.0)  # the noise scale there
+    assert learning.updates_at(32) == pytest.approx(1000)
+    assert learning.updates_at(128) == pytest.approx(850)
+    assert learning.updates_at(10 ** 9) == pytest.approx(800)  # S_min: no update size goes below it
+
+
+def test_time_to_accuracy_prefers_the_batch_that_needs_fewer_images(tmp_path):
+    cfg = load_config(None, RECIPE)
+    learning = Learning(("accuracy", 0.9), 32000, 32, 8.0, "toy")
+    fast = recommend(cfg, TOY, max_nodes=1, progress=False, batches=[32, 128])[0]
+    assert fast["best"]["batch_per_replica"] == 128  # by throughput: 128 / 1.31 s against 32 / 1.01 s
+    [entry] = recommend(cfg, TOY, max_nodes=1, objective="time-to-accuracy", progress=False, batches=[32, 128],
+                        learning=learning)
+    best = entry["best"]
+    assert best["batch_per_replica"] == 32
+    assert best["target_images"] == pytest.approx(32000) and best["target_updates"] == pytest.approx(1000)
+    assert best["target_hours"] == pytest.approx(32000 / best["images_per_sec"] / 3600, rel=1e-9)
+    assert best["images_per_sec"] == pytest.approx(32 / 1.01, rel=0.02)
+    assert "128: +0.03 h to the target (3.40x the images)" in entry["batch_reason"], entry["batch_reason"]
+    with pytest.raises(ModelError, match="needs --learning"):
+        recommend(cfg, TOY, max_nodes=1, objective="time-to-accuracy", progress=False)
+
+
+def test_predict_until_from_a_run_directory(tmp_path, capsys):
+    profile = tmp_path / "toy.toml"
+    profile.write_text(dump_profile(replace(TOY, replicas_per_node=2), {}))
+    run = measured_run(tmp_path)
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(dump_toml(load_config(None, [*RECIPE[:3], "cluster.gpus_per_node=2"])))
+    args = ["predict", "--profile", str(profile), "--recipe", str(recipe), "--until", "accuracy=0.9", "--learning", str(run),
+            "--format", "json", "--grid", "strategy.name+cluster.num_ps=allreduce:0,sync:1,async:1",
+            "cluster.nodes=2"]
+    assert main(args) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
+    # 2 nodes x 2 replicas x 32: 128 images an update, allreduce and sync alike: 850 updates
+    for name in ("allreduce", "sync"):
+        assert rows[name]["target_updates"] == pytest.approx(850) and rows[name]["target_images"] == pytest.approx(108800)
+        assert rows[name]["target_hours"] == pytest.approx(108800 / rows[name]["images_per_sec"] / 3600)
+    assert "target_hours" not in rows["async"] and "stale gradients" in rows["async"]["target_note"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--until", "accuracy=0.9"], "needs --until accuracy=A or loss=L and --learning RUN_DIR"),
+    (["--until", "accuracy=0.99", "--learning", "RUN"], "the run never reached accuracy 0.99"),
+    (["--until", "epochs=3", "--learning", "RUN"], "needs --until accuracy=A or loss=L"),
+    (["--until", "speed=3"], "--until 'speed=3': write epochs=E, loss=L or accuracy=A"),
+])
+def test_what_cannot_be_predicted_is_one_line(tmp_path, capsys, args, says):
+    profile = tmp_path / "toy.toml"
+    profile.write_text(dump_profile(TOY, {}))
+    run = measured_run(tmp_path)
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(dump_toml(load_config(None, RECIPE)))
+    args = [str(run) if a == "RUN" else a for a in args]
+    assert main(["predict", "--profile", str(profile), "--recipe", str(recipe), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
