@@ -134,8 +134,9 @@ def test_an_improvement_on_a_noisy_baseline_is_flagged():
     assert two["flag"] == ("improvement 8.23x > 2x (the replicas' ratio): baseline unsteady (±50%); "
                            "rerun the study on a quiet host")
     assert two["flagged"] == ["improvement"] and base["flagged"] == ["time"]
-    table = study_table([base, two], until).splitlines()
-    assert table[0].endswith("| Improvement | Flag |") and "| 8.23x ⚠ |" in table[3] and "823.0 s ⚠" in table[2]
+    table = study_table([base, {**two, "noise_scale": 212.4}], until).splitlines()
+    assert table[0].endswith("| Improvement | Noise scale (images) | Flag |") and "823.0 s ⚠" in table[2]
+    assert "| 8.23x ⚠ | 212 |" in table[3] and "| 1.00x | - | unsteady" in table[2]  # none measured with one replica
     ok = add_improvement([study_row(1, 100.0, 1.0, 100.0), study_row(2, 190.0, 2.0, 52.0)], until)
     assert [r["flag"] for r in ok] == [None, None]
     # no target, the same epochs: an improvement past the replicas' ratio is not the job's however steady

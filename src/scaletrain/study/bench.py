@@ -47,7 +47,7 @@ KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_place
         "dropped_fraction", "gradients_per_update_mean", "emulated_workers", "emulated_compute_s", "not_applied",
         "git_commit", "host",
         "device", "torch_version",
-        "python_version", "model", "parameters")
+        "python_version", "model", "parameters", "noise_scale")
 
 # What every cell runs with whatever the recipe says (checked with the recipe before any cell runs).
 IMPOSED = ("train.eval_every=0",)

@@ -81,22 +81,23 @@ def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
 
 def study_table(rows: list[dict[str, Any]], until) -> str:
     """Markdown: Setup | Workers (GPUs) | Test accuracy (best) | Time (or time to target, and
-    images to target) | Steps | Improvement | Flag, of rows with add_improvement's figures."""
+    images to target) | Steps | Improvement | Noise scale | Flag, of rows with add_improvement's figures."""
     target = until and until[0] != "epochs"
     when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
         else "Training time"
     images = " | Images to target" if target else ""
-    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement | Flag |",
-             "|---|---|---|---|---|---|---|" + ("---|" if target else "")]
+    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement | "
+             "Noise scale (images) | Flag |", "|---|---|---|---|---|---|---|---|" + ("---|" if target else "")]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | | |")
+            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | | | |")
             continue
         acc = "-" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f} ({r['best_test_accuracy']:.4f})"
         t = _time(r, until)
         imp = "-" if r.get("improvement") is None else marked(r, "improvement", f"{r['improvement']:.2f}x")
         n = (" | -" if r.get("images_to_target") is None else f" | {r['images_to_target']:,}") if target else ""
+        noise = "-" if r.get("noise_scale") is None else f"{r['noise_scale']:.0f}"
         lines.append(f"| {setup(r)} | {r['replicas']} | {acc} | "
                      f"{'not reached' if t is None else marked(r, 'time', f'{t:.1f} s')}{n} | {r['steps']} | "
-                     f"{imp} | {r.get('flag') or ''} |")
+                     f"{imp} | {noise} | {r.get('flag') or ''} |")
     return "\n".join(lines)
