@@ -197,6 +197,6 @@ def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
         losers = "; ".join(f"{setup(r)}: {reason}" for r, reason in e["runners_up"]) or "-"
         lines.append(f"| {e['nodes']} | {setup(b)} | {b['batch_per_replica']} | {b['update_batch']} | "
                      f"{b['images_per_sec']:.1f} | {b['speedup']:.2f} | {b['efficiency']:.2f} | "
-                     + (f"{b['target_hours']:.2f} | {b['target_images']:.3g} | " if timed else "")
+                     + (f"{b['target_hours']:.3g} | {b['target_images']:.3g} | " if timed else "")
                      + f"{e['batch_reason'] or '-'} | {losers} |")
     return "\n".join(lines)
