@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.config import load_config
 from scaletrain.perfmodel import scaling
+from scaletrain.perfmodel.predict import predict
+from scaletrain.perfmodel.profile import Profile, dump_profile, load_profile
 from scaletrain.study import figures
 from scaletrain.errors import GridError
 from scaletrain.study.grid import cells, parse_grid
@@ -448,3 +451,26 @@ def test_bench_and_report_of_a_users_network(tmp_path, monkeypatch):
     assert rows[1]["speedup"] == pytest.approx(rows[1]["images_per_sec"] / rows[0]["images_per_sec"])
     page = check_report(out / "report" / "report.html")
     assert "allreduce, 2 nodes (2 workers)" in page.cells
+
+
+def test_a_study_on_a_profiles_clock(tmp_path):
+    """--profile: every cell's time on the profile's clock is its images over the profile's predicted
+    throughput for that cell's configuration; the table says whose clock it is."""
+    profile = tmp_path / "toy.toml"
+    profile.write_text(dump_profile(Profile(
+        model="resnet8", image_size=16, batch_per_replica=32, gradient_bytes=1_000_000, replicas_per_node=2,
+        compute_s=1.0, optimizer_s=0.01, intra_bandwidth=1e9, intra_latency=1e-4, net_bandwidth=1e8,
+        net_latency=1e-3, local_bandwidth=1e9, ps_apply_rate=1e9), {}))
+    out = tmp_path / "study"
+    sets = ["data.workers=0", "train.steps=10", "train.eval_every=10"]
+    assert main(["study", "--recipe", DIGITS, *[a for s in sets for a in ("--set", s)], "--grid",
+                 "cluster.gpus_per_node=1,2", "--profile", str(profile), "--out", str(out)]) == 0
+    rows = json.loads((out / "study-rows.json").read_text())
+    prof = load_profile(str(profile))[0]
+    for r, gpus in zip(rows, (1, 2)):
+        want = predict(load_config(DIGITS, [*sets, f"cluster.gpus_per_node={gpus}"]), prof)["images_per_sec"]
+        assert r["profile"] == "toy" and r["profile_images_per_sec"] == pytest.approx(want)
+        assert r["profile_seconds"] == pytest.approx(r["images_applied"] / want)
+        assert r["images_applied"] == 10 * gpus * 32
+    assert rows[1]["improvement"] == pytest.approx(rows[0]["profile_seconds"] / rows[1]["profile_seconds"])
+    assert "| Training time on toy (predicted) | Training time here |" in (out / "study.md").read_text()

@@ -56,7 +56,11 @@ def scaling_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _time(row: dict[str, Any], until) -> float | None:
-    return row.get("time_to_target") if until and until[0] != "epochs" else row.get("train_seconds")
+    """The row's training time, or time to target: on the profile's clock where the study has one."""
+    target = until and until[0] != "epochs"
+    if "profile_seconds" in row:
+        return row.get("profile_time_to_target") if target else row["profile_seconds"]
+    return row.get("time_to_target") if target else row.get("train_seconds")
 
 
 def add_improvement(rows: list[dict[str, Any]], until) -> list[dict[str, Any]]:
@@ -85,19 +89,26 @@ def study_table(rows: list[dict[str, Any]], until) -> str:
     target = until and until[0] != "epochs"
     when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
         else "Training time"
+    clock = next((r["profile"] for r in rows if r.get("profile")), None)
+    if clock:
+        when += f" on {clock} (predicted)"
     images = " | Images to target" if target else ""
-    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images} | Steps | Improvement | "
-             "Noise scale (images) | Flag |", "|---|---|---|---|---|---|---|---|" + ("---|" if target else "")]
+    wall = " | Training time here" if clock else ""
+    lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images}{wall} | Steps | Improvement | "
+             "Noise scale (images) | Flag |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if target else "") + ("---|" if clock else "")]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''} | | | |")
+            lines.append(f"| {r['label']} | | not run: {r['error']} | |{' |' if target else ''}{' |' if clock else ''}"
+                         " | | | |")
             continue
         acc = "-" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f} ({r['best_test_accuracy']:.4f})"
         t = _time(r, until)
         imp = "-" if r.get("improvement") is None else marked(r, "improvement", f"{r['improvement']:.2f}x")
         n = (" | -" if r.get("images_to_target") is None else f" | {r['images_to_target']:,}") if target else ""
         noise = "-" if r.get("noise_scale") is None else f"{r['noise_scale']:.0f}"
+        here = f" | {r['train_seconds']:.1f} s" if clock else ""
         lines.append(f"| {setup(r)} | {r['replicas']} | {acc} | "
-                     f"{'not reached' if t is None else marked(r, 'time', f'{t:.1f} s')}{n} | {r['steps']} | "
+                     f"{'not reached' if t is None else marked(r, 'time', f'{t:.1f} s')}{n}{here} | {r['steps']} | "
                      f"{imp} | {noise} | {r.get('flag') or ''} |")
     return "\n".join(lines)

@@ -12,6 +12,12 @@ evaluation is left out, so its cadence does not count. Improvement = time
 (or time to target, when one is set) of the baseline, the first cell with the
 fewest replicas, over this cell's ("-" when either did not reach the target),
 flagged (flags.py) when a throughput under it is in doubt or it passes its bound.
+
+With --profile P the times are also read on P's clock: a cell's images over P's predicted
+throughput for its configuration (perfmodel/predict.py), which is its job steps times P's step:
+what the same training would take on P's hardware. The table and the improvement then use that
+time, labelled with P's name, and keep this machine's wall time beside it; on a machine whose
+cores all the cells' processes share, wall time says little of how the study's cluster scales.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, GridError, Stopped, UntilError
+from ..errors import ConfigError, GridError, ModelError, ProfileError, Stopped, UntilError
+from ..perfmodel.predict import predict
+from ..perfmodel.profile import Profile, load_profile
+from ..perfmodel.setup import check_workload
 from . import bench, figures
 from .grid import cell_sets, cells, check_cells, parse_grid
 
@@ -48,12 +57,23 @@ def until_sets(until: tuple[str, float] | None) -> list[str]:
             "loss": [f"train.target_loss={value}"], None: []}[what]
 
 
+def on_profile(row: dict[str, Any], cfg, prof: Profile, name: str) -> dict[str, Any]:
+    """The row's times on the profile's clock: its images over the profile's predicted throughput
+    for cfg, counting only the gradients applied (a backup's dropped ones are not)."""
+    predicted = predict(cfg, prof)
+    rate = predicted["images_per_sec"] * (1 - predicted["dropped_fraction"])
+    to_target = row.get("images_to_target")
+    return {"profile": name, "profile_images_per_sec": rate, "profile_seconds": row["images_applied"] / rate,
+            "profile_time_to_target": None if to_target is None else to_target / rate}
+
+
 def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
-        progress: bool = True) -> list[dict[str, Any]]:
+        progress: bool = True, profile: str | None = None) -> list[dict[str, Any]]:
     length = until_sets(until)
     rows = []
     todo = cells(grid)
     check_cells(recipe, overrides, [(c, length) for c in todo])
+    prof = load_profile(profile)[0] if profile else None
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "study.jsonl", "w") as fh:
         for i, cell in enumerate(todo):
@@ -65,10 +85,13 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
             if s is not None:
                 row.update({k: s.get(k) for k in bench.KEEP})
                 row.update(steps=s["steps"], epochs=s["epochs"], wall_seconds=s["wall_seconds"],
-                           train_seconds=s["train_seconds"],
+                           train_seconds=s["train_seconds"], images_applied=s["images_applied"],
                            test_accuracy=s.get("test_accuracy"), best_test_accuracy=s.get("best_test_accuracy"),
                            final_train_loss=s["final_train_loss"], time_to_target=s.get("time_to_target"),
                            images_to_target=s.get("images_to_target"))
+                if prof is not None:
+                    row.update(on_profile(row, load_config(recipe, cell_sets(overrides, cell, length)), prof,
+                                          Path(profile).stem))
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
@@ -82,9 +105,12 @@ def main(args) -> int:
     try:
         grid = parse_grid(args.grid)
         until = parse_until(args.until)
-        load_config(args.recipe, [*args.overrides, *until_sets(until)])  # e.g. a target with no evaluations
-        rows = run(args.recipe, args.overrides, grid, until, out)  # a bad cell: GridError before any runs
-    except (GridError, UntilError, ConfigError) as e:
+        cfg = load_config(args.recipe, [*args.overrides, *until_sets(until)])  # e.g. a target with no evaluations
+        if args.profile:  # a profile of another network or image size: refused before any run
+            check_workload(cfg, load_profile(args.profile)[0], args.profile)
+        rows = run(args.recipe, args.overrides, grid, until, out,  # a bad cell: GridError before any runs
+                   profile=args.profile)
+    except (GridError, UntilError, ConfigError, ProfileError, ModelError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:
