@@ -32,7 +32,7 @@ DEMO_RULE := --grid strategy.name+cluster.num_ps+optim.scale_lr=allreduce:0:line
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/scaletrain bench --recipe recipes/digits.toml $(DEMO_SETS) --set train.emulate_compute_s=0.1 $(DEMO_GRID) --warmup 3 --steps 12 --out $(DEMO)/bench
-	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) --grid cluster.nodes=1,2,4 $(DEMO_RULE) --until epochs=12 --out $(DEMO)/study
+	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) --grid cluster.nodes=1,2,4 $(DEMO_RULE) --until epochs=12 --bench $(DEMO)/bench --out $(DEMO)/study
 	$(BIN)/scaletrain report $(DEMO)/bench $(DEMO)/study --out $(DEMO)/report
 
 # The demo's page of the documentation: the tables of the last `make demo` (runs/demo), with the

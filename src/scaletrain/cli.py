@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--until", help="epochs=E (run length), accuracy=A or loss=L (target for the time to target)")
     st.add_argument("--out", help="output directory (default runs/study-TIME)")
     st.add_argument("--profile", help="hardware profile (TOML): each cell's time also on its clock, the cell's images "
-                    "over the profile's predicted throughput, for the table and the improvement")
+                    "over the profile's predicted throughput, for the table, the improvement and the time plots")
+    st.add_argument("--bench", help="a bench's output directory: each cell's time also on its clock, the cell's "
+                    "images over the throughput the bench measured for the same configuration")
     rp = sub.add_parser("report", help="write report.html and report.md from bench/study/run directories")
     rp.add_argument("dirs", nargs="+", type=Path)
     rp.add_argument("--out", type=Path, help="output directory (default: report/ in the first DIR)")

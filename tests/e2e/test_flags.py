@@ -200,12 +200,12 @@ def test_a_study_on_a_profiles_clock_ranks_by_its_time_and_keeps_the_wall_time_b
     def study_row(replicas, wall, on_profile):
         return {**row("allreduce", replicas, replicas, 100.0, 1.0), "replicas": replicas, "label": f"{replicas}",
                 "steps": 100, "epochs": 1.0, "train_seconds": wall, "test_accuracy": 0.9, "best_test_accuracy": 0.9,
-                "final_train_loss": 0.1, "profile": "toy", "profile_seconds": on_profile}
+                "final_train_loss": 0.1, "clock": "profile toy (predicted)", "clock_seconds": on_profile}
 
     until = ("epochs", 1.0)
     base, two = add_improvement([study_row(1, 10.0, 200.0), study_row(2, 14.0, 100.0)], until)
     assert two["improvement"] == pytest.approx(2.0) and two["flag"] is None
     table = study_table([base, two], until).splitlines()
-    assert table[0].startswith("| Setup | Workers (GPUs) | Test accuracy (best) | Training time on toy (predicted) | "
+    assert table[0].startswith("| Setup | Workers (GPUs) | Test accuracy (best) | Training time on profile toy (predicted) | "
                                "Training time here | Steps | Improvement |")
     assert "| 100.0 s | 14.0 s | 100 | 2.00x |" in table[3]

@@ -243,6 +243,20 @@ def test_two_cell_bench_end_to_end(tmp_path):
     page = check_report(out / "report" / "report.html")
     assert "allreduce, 2 nodes (2 workers)" in page.cells
 
+    # A study on this bench's clock: each cell's images over the images/s the bench measured for it.
+    study = tmp_path / "study"
+    sets = ["--set", "data.workers=0", "--set", "train.steps=6", "--set", "train.eval_every=6"]
+    assert main(["study", "--recipe", DIGITS, *sets, "--grid", "cluster.nodes=1,2", "--bench", str(out),
+                 "--out", str(study)]) == 0
+    timed = json.loads((study / "study-rows.json").read_text())
+    for r, b in zip(timed, rows):
+        assert r["clock"] == "bench bench (measured)" and r["clock_images_per_sec"] == b["images_per_sec"]
+        assert r["clock_seconds"] == pytest.approx(r["images_applied"] / b["images_per_sec"])
+    assert timed[1]["improvement"] == pytest.approx(timed[0]["clock_seconds"] / timed[1]["clock_seconds"])
+    assert main(["study", "--recipe", DIGITS, *sets, "--grid", "cluster.nodes=4", "--bench", str(out),
+                 "--out", str(tmp_path / "no")]) == 2  # no row of 4 nodes: refused before any run
+    assert not (tmp_path / "no").exists()
+
 
 def test_bench_runs_the_missing_baseline_first(tmp_path):
     out = tmp_path / "bench"
@@ -469,8 +483,8 @@ def test_a_study_on_a_profiles_clock(tmp_path):
     prof = load_profile(str(profile))[0]
     for r, gpus in zip(rows, (1, 2)):
         want = predict(load_config(DIGITS, [*sets, f"cluster.gpus_per_node={gpus}"]), prof)["images_per_sec"]
-        assert r["profile"] == "toy" and r["profile_images_per_sec"] == pytest.approx(want)
-        assert r["profile_seconds"] == pytest.approx(r["images_applied"] / want)
+        assert r["clock"] == "profile toy (predicted)" and r["clock_images_per_sec"] == pytest.approx(want)
+        assert r["clock_seconds"] == pytest.approx(r["images_applied"] / want)
         assert r["images_applied"] == 10 * gpus * 32
-    assert rows[1]["improvement"] == pytest.approx(rows[0]["profile_seconds"] / rows[1]["profile_seconds"])
-    assert "| Training time on toy (predicted) | Training time here |" in (out / "study.md").read_text()
+    assert rows[1]["improvement"] == pytest.approx(rows[0]["clock_seconds"] / rows[1]["clock_seconds"])
+    assert "| Training time on profile toy (predicted) | Training time here |" in (out / "study.md").read_text()

@@ -58,8 +58,8 @@ def scaling_table(rows: list[dict[str, Any]]) -> str:
 def _time(row: dict[str, Any], until) -> float | None:
     """The row's training time, or time to target: on the profile's clock where the study has one."""
     target = until and until[0] != "epochs"
-    if "profile_seconds" in row:
-        return row.get("profile_time_to_target") if target else row["profile_seconds"]
+    if "clock_seconds" in row:
+        return row.get("clock_time_to_target") if target else row["clock_seconds"]
     return row.get("time_to_target") if target else row.get("train_seconds")
 
 
@@ -89,9 +89,9 @@ def study_table(rows: list[dict[str, Any]], until) -> str:
     target = until and until[0] != "epochs"
     when = f"Time to {until[0]} {'>=' if until[0] == 'accuracy' else '<='} {until[1]:g}" if target \
         else "Training time"
-    clock = next((r["profile"] for r in rows if r.get("profile")), None)
+    clock = next((r["clock"] for r in rows if r.get("clock")), None)
     if clock:
-        when += f" on {clock} (predicted)"
+        when += f" on {clock}"
     images = " | Images to target" if target else ""
     wall = " | Training time here" if clock else ""
     lines = [f"| Setup | Workers (GPUs) | Test accuracy (best) | {when}{images}{wall} | Steps | Improvement | "

@@ -15,9 +15,11 @@ flagged (flags.py) when a throughput under it is in doubt or it passes its bound
 
 With --profile P the times are also read on P's clock: a cell's images over P's predicted
 throughput for its configuration (perfmodel/predict.py), which is its job steps times P's step:
-what the same training would take on P's hardware. The table and the improvement then use that
-time, labelled with P's name, and keep this machine's wall time beside it; on a machine whose
-cores all the cells' processes share, wall time says little of how the study's cluster scales.
+what the same training would take on P's hardware. With --bench DIR, on a bench's clock instead:
+over the images/s the bench measured for the same configuration (emulated GPUs, for one). The
+table, the improvement and the report's time plots then use that time, labelled with the clock's
+name, and keep this machine's training time beside it; on a machine whose cores all of a cell's
+processes share, that time says little of how the study's cluster scales.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from ..config import load_config
 from ..errors import ConfigError, GridError, ModelError, ProfileError, Stopped, UntilError
 from ..perfmodel.predict import predict
-from ..perfmodel.profile import Profile, load_profile
+from ..perfmodel.profile import load_profile
 from ..perfmodel.setup import check_workload
 from . import bench, figures
 from .grid import cell_sets, cells, check_cells, parse_grid
@@ -57,23 +59,55 @@ def until_sets(until: tuple[str, float] | None) -> list[str]:
             "loss": [f"train.target_loss={value}"], None: []}[what]
 
 
-def on_profile(row: dict[str, Any], cfg, prof: Profile, name: str) -> dict[str, Any]:
-    """The row's times on the profile's clock: its images over the profile's predicted throughput
-    for cfg, counting only the gradients applied (a backup's dropped ones are not)."""
-    predicted = predict(cfg, prof)
-    rate = predicted["images_per_sec"] * (1 - predicted["dropped_fraction"])
-    to_target = row.get("images_to_target")
-    return {"profile": name, "profile_images_per_sec": rate, "profile_seconds": row["images_applied"] / rate,
-            "profile_time_to_target": None if to_target is None else to_target / rate}
+# What a bench row's configuration is, for a study cell to find its throughput there.
+SAME = ("model.name", "model.args", "data.image_size", "data.batch_size", "strategy.name", "strategy.backup_workers",
+        "cluster.nodes", "cluster.gpus_per_node", "cluster.num_ps", "cluster.ps_placement", "cluster.sharding")
+
+
+class Clock:
+    """Another clock for a study's times: a profile's predictions (--profile) or a bench's
+    measurements (--bench). rate(cfg) is the images/s it gives cfg's configuration, counting only
+    gradients applied (a backup's dropped ones are not)."""
+
+    def __init__(self, profile: str | None = None, bench_dir: str | None = None) -> None:
+        if profile:
+            self.name, self.prof = f"profile {Path(profile).stem} (predicted)", load_profile(profile)[0]
+        else:
+            path = Path(bench_dir) / "bench-rows.json"
+            try:
+                self.rows = [r for r in json.loads(path.read_text()) if not r.get("error") and r.get("images_per_sec")]
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--bench {bench_dir}: no bench rows to read ({path}: {e})") from None
+            self.name, self.prof = f"bench {Path(bench_dir).name} (measured)", None
+
+    def rate(self, cfg) -> float:
+        if self.prof is not None:
+            predicted = predict(cfg, self.prof)
+            return predicted["images_per_sec"] * (1 - predicted["dropped_fraction"])
+        want = {k: cfg.flat()[k] for k in SAME}
+        for r in self.rows:
+            if {k: r["config"].get(k) for k in SAME} == want:
+                return r["images_per_sec"] * (1 - (r.get("dropped_fraction") or 0.0))
+        raise ConfigError(f"{self.name} has no row of this configuration ("
+                          + ", ".join(f"{k}={want[k]}" for k in SAME[4:]) + "): bench the study's grid first")
+
+    def times(self, row: dict[str, Any], cfg) -> dict[str, Any]:
+        """The row's times on this clock: its images over the clock's images/s for cfg."""
+        rate = self.rate(cfg)
+        to_target = row.get("images_to_target")
+        return {"clock": self.name, "clock_images_per_sec": rate, "clock_seconds": row["images_applied"] / rate,
+                "clock_time_to_target": None if to_target is None else to_target / rate}
 
 
 def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None, out: Path,
-        progress: bool = True, profile: str | None = None) -> list[dict[str, Any]]:
+        progress: bool = True, clock: Clock | None = None) -> list[dict[str, Any]]:
     length = until_sets(until)
     rows = []
     todo = cells(grid)
     check_cells(recipe, overrides, [(c, length) for c in todo])
-    prof = load_profile(profile)[0] if profile else None
+    if clock is not None:  # a cell the clock cannot time: refused before any run
+        for c in todo:
+            clock.rate(load_config(recipe, cell_sets(overrides, c, length)))
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "study.jsonl", "w") as fh:
         for i, cell in enumerate(todo):
@@ -89,9 +123,8 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
                            test_accuracy=s.get("test_accuracy"), best_test_accuracy=s.get("best_test_accuracy"),
                            final_train_loss=s["final_train_loss"], time_to_target=s.get("time_to_target"),
                            images_to_target=s.get("images_to_target"))
-                if prof is not None:
-                    row.update(on_profile(row, load_config(recipe, cell_sets(overrides, cell, length)), prof,
-                                          Path(profile).stem))
+                if clock is not None:
+                    row.update(clock.times(row, load_config(recipe, cell_sets(overrides, cell, length))))
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
@@ -106,10 +139,13 @@ def main(args) -> int:
         grid = parse_grid(args.grid)
         until = parse_until(args.until)
         cfg = load_config(args.recipe, [*args.overrides, *until_sets(until)])  # e.g. a target with no evaluations
+        if args.profile and args.bench:
+            raise ConfigError("--profile or --bench: one clock for the study's times")
+        clock = Clock(args.profile, args.bench) if args.profile or args.bench else None
         if args.profile:  # a profile of another network or image size: refused before any run
-            check_workload(cfg, load_profile(args.profile)[0], args.profile)
+            check_workload(cfg, clock.prof, args.profile)
         rows = run(args.recipe, args.overrides, grid, until, out,  # a bad cell: GridError before any runs
-                   profile=args.profile)
+                   clock=clock)
     except (GridError, UntilError, ConfigError, ProfileError, ModelError) as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2

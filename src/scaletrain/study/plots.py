@@ -190,12 +190,18 @@ def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
     if not rows:
         return
     by_run = {id(r): curves(Path(r["run_dir"])) for r in rows}
+    clock = next((r["clock"] for r in rows if r.get("clock")), None)
+    if clock:  # the study's times on another clock (learning.Clock): a point's images over its rate
+        for r in rows:
+            for p in (p for c in by_run[id(r)].values() for p in c):
+                p["t"] = p["images"] / r["clock_images_per_sec"]
+    seconds = f"seconds on {clock}" if clock else "training seconds"
     groups, colour = by_strategy(rows), _nodes_colours(rows)
-    plots = [(prefix + "loss-time.png", "train", "t", "loss", "training seconds", "train loss",
+    plots = [(prefix + "loss-time.png", "train", "t", "loss", seconds, "train loss",
               "Train loss against training time"),
              (prefix + "loss-steps.png", "train", "step", "loss", "step", "train loss", "Train loss against steps")]
     if any(by_run[id(r)]["eval"] for r in rows):
-        plots.append((prefix + "accuracy-time.png", "eval", "t", "test_accuracy", "training seconds",
+        plots.append((prefix + "accuracy-time.png", "eval", "t", "test_accuracy", seconds,
                       "test accuracy", "Test accuracy against training time"))
     for name, kind, x, y, xlabel, ylabel, title in plots:
         fig, axes = _panels(len(groups), title)
@@ -215,9 +221,10 @@ def learning_plots(rows: list[dict], out: Path, made: list, prefix: str,
     if acc:
         _per_nodes(acc, "test_accuracy", "final test accuracy", "Final test accuracy against worker nodes",
                    out, prefix + "accuracy-nodes.png", made)
-    if target and any(r.get("time_to_target") for r in rows):
-        reached = {k: [r for r in g if r.get("time_to_target")] for k, g in groups.items()}
-        _per_nodes({k: g for k, g in reached.items() if g}, "time_to_target", "training seconds",
+    to_target = "clock_time_to_target" if clock else "time_to_target"
+    if target and any(r.get(to_target) for r in rows):
+        reached = {k: [r for r in g if r.get(to_target)] for k, g in groups.items()}
+        _per_nodes({k: g for k, g in reached.items() if g}, to_target, seconds,
                    f"Time to {target[0]} {target[1]:g} against worker nodes", out, prefix + "time-to-target.png",
                    made)
 
