@@ -14,7 +14,9 @@ in backward (strategies/allreduce.py's hook measures both per bucket). From the 
     tr(Sigma) ~ (|g_b|^2 - |g_nb|^2) / (1/b - 1/(n b))
 
 Each is unbiased but noisy, so each is smoothed (a mean over a log window, then an exponential
-moving average over windows) before their ratio is taken, as the paper does. A replica's own
+moving average over windows) before their ratio is taken, as the paper does: the value at a log
+point. A run's summary gives the ratio of their means over the whole run (`overall`), steadier
+late in training, when |G|^2 is small beside its noise. A replica's own
 squared norm stands for the replicas' mean: it is unbiased, and the average over steps takes out
 the rest. No estimate without two batch sizes: one replica (no group), or gradients made up
 (train.emulate_compute_s) that no backward computed.
@@ -47,6 +49,7 @@ class NoiseScale:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # [own |g_b|^2, averaged |g_nb|^2]
         self.steps = 0
         self.g2 = self.s = None  # the moving averages, None before the first window
+        self.totals = [0.0, 0.0, 0]  # |G|^2 and tr(Sigma) estimates summed over every step so far, and the steps
 
     def add(self, own: torch.Tensor, averaged: torch.Tensor) -> None:
         """One bucket's squared norms (0-d tensors on the device): this replica's, and the group's mean's."""
@@ -63,8 +66,9 @@ class NoiseScale:
             return self.value
         small, big = (self.sums / self.steps).tolist()
         self.sums.zero_()
-        self.steps = 0
         g2, s = two_batch(small, big, self.b_small, self.b_big)
+        self.totals = [self.totals[0] + g2 * self.steps, self.totals[1] + s * self.steps, self.totals[2] + self.steps]
+        self.steps = 0
         if self.g2 is None:
             self.g2, self.s = g2, s
         else:
@@ -73,10 +77,23 @@ class NoiseScale:
         return self.value
 
     @property
+    def overall(self) -> float | None:
+        """B_simple of the whole run so far: the mean tr(Sigma) over the mean |G|^2 of every step (None
+        as for value). Steadier than the moving value late in training, when |G|^2 is small beside
+        its noise: the figure a run's summary gives."""
+        g2, s, steps = self.totals
+        return _ratio(s / steps, g2 / steps) if steps else None
+
+    @property
     def value(self) -> float | None:
         """B_simple, in images; None before a window, or while the smoothed |G|^2 is not positive or
         tr(Sigma) negative (the gradient lost in its noise: no estimate, rather than a negative or
         infinite one)."""
-        if self.g2 is None or not self.g2 > 0 or not self.s >= 0 or not math.isfinite(self.s):
-            return None
-        return self.s / self.g2
+        return None if self.g2 is None else _ratio(self.s, self.g2)
+
+
+def _ratio(s: float, g2: float) -> float | None:
+    """tr(Sigma) / |G|^2, or None where |G|^2 is not positive or tr(Sigma) is negative."""
+    if not g2 > 0 or not s >= 0 or not math.isfinite(s):
+        return None
+    return s / g2

@@ -265,7 +265,7 @@ class Tracker:
             "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images,
             "emulated_compute_s": self.cfg.train.emulate_compute_s,
-            # The gradient noise scale (noise.py), smoothed to the last log point; None where none was measured
-            "noise_scale": self.strategy.noise.value if self.strategy.noise is not None else None,
+            # The gradient noise scale over the run (noise.py); None where none was measured
+            "noise_scale": self.strategy.noise.overall if self.strategy.noise is not None else None,
             "not_applied": self.not_applied}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())

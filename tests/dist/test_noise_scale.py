@@ -35,7 +35,7 @@ for window in range(30):
         noise.step()
     noise.window()
 with open(f"{out}/noise{rank}.json", "w") as f:
-    json.dump(noise.value, f)
+    json.dump([noise.value, noise.overall], f)
 dist.destroy_process_group()
 os._exit(0)  # no interpreter teardown (launch/join.exit_now says why)
 """
@@ -53,7 +53,8 @@ def test_the_ddp_hook_measures_the_known_noise_scale(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     for r in range(2):
-        assert json.loads((tmp_path / f"noise{r}.json").read_text()) == pytest.approx(21.0, rel=0.10)
+        value, overall = json.loads((tmp_path / f"noise{r}.json").read_text())
+        assert value == pytest.approx(21.0, rel=0.10) and overall == pytest.approx(21.0, rel=0.10)
 
 
 def test_a_job_records_its_noise_scale_in_its_rows_and_summary(tmp_path):
@@ -67,4 +68,4 @@ def test_a_job_records_its_noise_scale_in_its_rows_and_summary(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = [row["noise_scale"] for row in rows if row["kind"] == "train" and "noise_scale" in row]
     assert len(measured) == 3 and all(v > 0 for v in measured)  # a value at each log point (every 20 steps)
-    assert summary["noise_scale"] == measured[-1]
+    assert summary["noise_scale"] > 0  # the run's own: its mean tr(Sigma) over its mean |G|^2 (noise.overall)

@@ -43,11 +43,12 @@ def test_the_estimate_is_within_ten_percent_of_the_known_noise_scale(replicas, b
             noise.step()
         noise.window()
     assert noise.value == pytest.approx(known(delta), rel=0.10), (noise.value, known(delta))
+    assert noise.overall == pytest.approx(known(delta), rel=0.05), (noise.overall, known(delta))  # 4,000 steps
 
 
 def test_no_estimate_before_a_window_or_while_the_gradient_is_lost_in_noise():
     noise = NoiseScale(8, 16, torch.device("cpu"))
-    assert noise.value is None and noise.window() is None
+    assert noise.value is None and noise.window() is None and noise.overall is None
 
     def window(small, big):
         noise.add(torch.tensor(small), torch.tensor(big))
