@@ -250,7 +250,7 @@ def test_two_cell_bench_end_to_end(tmp_path):
                  "--out", str(study)]) == 0
     timed = json.loads((study / "study-rows.json").read_text())
     for r, b in zip(timed, rows):
-        assert r["clock"] == "bench bench (measured)" and r["clock_images_per_sec"] == b["images_per_sec"]
+        assert r["clock"] == f"bench {out} (measured)" and r["clock_images_per_sec"] == b["images_per_sec"]
         assert r["clock_seconds"] == pytest.approx(r["images_applied"] / b["images_per_sec"])
     assert timed[1]["improvement"] == pytest.approx(timed[0]["clock_seconds"] / timed[1]["clock_seconds"])
     assert main(["study", "--recipe", DIGITS, *sets, "--grid", "cluster.nodes=4", "--bench", str(out),

@@ -78,7 +78,7 @@ class Clock:
                 self.rows = [r for r in json.loads(path.read_text()) if not r.get("error") and r.get("images_per_sec")]
             except (OSError, ValueError) as e:
                 raise ConfigError(f"--bench {bench_dir}: no bench rows to read ({path}: {e})") from None
-            self.name, self.prof = f"bench {Path(bench_dir).name} (measured)", None
+            self.name, self.prof = f"bench {bench_dir} (measured)", None
 
     def rate(self, cfg) -> float:
         if self.prof is not None:
