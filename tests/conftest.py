@@ -8,6 +8,7 @@ gpu     needs a CUDA GPU (make gpu-check); skipped elsewhere
 """
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +61,18 @@ def write_images(root, classes=("happy_baby", "crying_baby", "sad_dog"), per_cla
             Image.fromarray(arr).save(root / name)
             rows.append((name, c))
     return rows
+
+
+def run_gloo_pair(tmp_path, name: str, text: str, timeout: float = 300) -> None:
+    """Run the script `text` as ranks 0 and 1 of a two-process gloo group (its argv: rank, a free port,
+    tmp_path, where it writes what the test reads); each must exit 0, else its stderr is the failure."""
+    from scaletrain.launch.local import free_port
+
+    script = tmp_path / name
+    script.write_text(text)
+    port = str(free_port("127.0.0.1"))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err

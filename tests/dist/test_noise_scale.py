@@ -4,11 +4,10 @@ of tests/unit/test_noise.py whose answer is known; and recorded in a real job's 
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, scaletrain_cmd
+from conftest import ROOT, run_gloo_pair, scaletrain_cmd
 
 HOOKED = """
 import datetime, json, math, os, sys
@@ -42,16 +41,7 @@ os._exit(0)  # no interpreter teardown (launch/join.exit_now says why)
 
 
 def test_the_ddp_hook_measures_the_known_noise_scale(tmp_path):
-    from scaletrain.launch.local import free_port
-
-    script = tmp_path / "hooked.py"
-    script.write_text(HOOKED)
-    port = str(free_port("127.0.0.1"))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
+    run_gloo_pair(tmp_path, "hooked.py", HOOKED)
     for r in range(2):
         value, overall = json.loads((tmp_path / f"noise{r}.json").read_text())
         assert value == pytest.approx(21.0, rel=0.10) and overall == pytest.approx(21.0, rel=0.10)

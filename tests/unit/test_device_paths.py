@@ -5,8 +5,6 @@ order of sync and sleep). What only a GPU shows is in tests/gpu/test_gpu_paths.p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +15,8 @@ from scaletrain.config import load_config
 from scaletrain.metrics import pinned
 from scaletrain.perfmodel.calibrate import copy_buffers, measure_copy
 from scaletrain.replicas import evaluate
+
+from conftest import run_gloo_pair
 
 # Two gloo processes train a small model under DDP with gradient_as_bucket_view (as the strategies
 # build it) through Backprop. A hook that runs when autograd has accumulated a parameter's gradient
@@ -64,21 +64,11 @@ tdist.destroy_process_group()
 # As a job's processes end (launch/join.exit_now): without interpreter teardown, in which gloo's threads
 # being destroyed aborted a finished process (SIGABRT) now and then on a loaded machine.
 os._exit(0)
-tdist.destroy_process_group()
 '''
 
 
 def test_ddp_gradients_stay_views_of_its_buckets(tmp_path):
-    from scaletrain.launch.local import free_port
-
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    port = str(free_port("127.0.0.1"))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path)], stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    run_gloo_pair(tmp_path, "ddp.py", DDP_SCRIPT, timeout=120)
     for r in range(2):
         res = json.loads((tmp_path / f"ddp{r}.json").read_text())
         assert res["to_none"] is False and res["compiled_to_none"] is False and res["one_storage"]
