@@ -128,6 +128,11 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
             **({"gradients_per_update": est.gradients_per_update} if st.rounds else {})}
 
 
+def applied_rate(row: dict[str, Any]) -> float:
+    """Images per second whose gradients are applied: a backup's dropped ones do not count."""
+    return row["images_per_sec"] * (1 - (row.get("dropped_fraction") or 0.0))
+
+
 def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:
     """The row with seconds per epoch of `images` and hours to train `epochs` of them, at its
     predicted throughput (as the companion talk's model: epoch time = images / throughput)."""

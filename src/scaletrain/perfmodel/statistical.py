@@ -21,6 +21,7 @@ from typing import Any
 from ..config import Config, load_config
 from ..schedule import step_images
 from ..strategies import entry, images_per_update
+from .predict import applied_rate
 from .setup import ModelError
 
 TARGETS = ("accuracy", "loss")  # --until: the test accuracy reached (eval rows) or the train loss (train rows)
@@ -92,5 +93,5 @@ def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str
     updates = learning.updates_at(update)
     images = updates * update
     row.update(target_updates=updates, target_images=images, target_steps=images / step_images(cfg),
-               target_hours=images / (row["images_per_sec"] * (1 - row["dropped_fraction"])) / 3600)
+               target_hours=images / applied_rate(row) / 3600)
     return row

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..config import load_config
 from ..errors import ConfigError, GridError, ModelError, ProfileError, Stopped, UntilError
-from ..perfmodel.predict import predict
+from ..perfmodel.predict import applied_rate, predict
 from ..perfmodel.profile import load_profile
 from ..perfmodel.setup import check_workload
 from . import bench, figures
@@ -82,12 +82,11 @@ class Clock:
 
     def rate(self, cfg) -> float:
         if self.prof is not None:
-            predicted = predict(cfg, self.prof)
-            return predicted["images_per_sec"] * (1 - predicted["dropped_fraction"])
+            return applied_rate(predict(cfg, self.prof))
         want = {k: cfg.flat()[k] for k in SAME}
         for r in self.rows:
             if {k: r["config"].get(k) for k in SAME} == want:
-                return r["images_per_sec"] * (1 - (r.get("dropped_fraction") or 0.0))
+                return applied_rate(r)
         raise ConfigError(f"{self.name} has no row of this configuration ("
                           + ", ".join(f"{k}={want[k]}" for k in SAME[4:]) + "): bench the study's grid first")
 
