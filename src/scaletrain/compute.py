@@ -74,9 +74,14 @@ def grads_to_none(module: torch.nn.Module) -> bool:
 class Backprop:
     """Forward and backward of each batch the loader gives."""
 
-    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 loss=None) -> None:
+        """loss(output, y): the batch's loss (the job's, job.loss; by default the recipe's, optim.loss_fn)."""
         self.model, self.optimizer = model, optimizer
-        self.wd_params, self.weight_decay = decayed(model), cfg.optim.weight_decay
+        if loss is None:
+            wd_params, weight_decay = decayed(model), cfg.optim.weight_decay
+            loss = lambda out, y: loss_fn(out.float(), y, wd_params, weight_decay)  # noqa: E731
+        self.loss = loss
         self.to_none = grads_to_none(model)
         self.autocast = autocast(cfg.train.precision, device)
 
@@ -84,7 +89,7 @@ class Backprop:
         """The batch's loss (on the device, no host sync) and its images; .grad holds the gradient."""
         x, y = batch
         with self.autocast:
-            loss = loss_fn(self.model(x).float(), y, self.wd_params, self.weight_decay)
+            loss = self.loss(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=self.to_none)
         loss.backward()
         return loss.detach(), len(y)

@@ -117,6 +117,10 @@ class TrainConfig:
                                     "since the last checkpoint (0 = off), seconds", lo=0.0, hi=1e7)
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk (1..100)", lo=1, hi=100)
     log_every: int = opt(10, "write a metrics row every this many job steps (1..10^6)", lo=1, hi=10**6)
+    noise_every: int = opt(0, "a replica with no group to average with (one process, or one per node under a PS) "
+                           "measures the gradient noise scale every this many steps, by one more backward of the "
+                           "first half of its batch through job.loss (0 = never; a group measures it every step "
+                           "at no cost)", lo=0, hi=10**6)
     warmup_log_steps: int = opt(2, "first job steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))

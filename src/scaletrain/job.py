@@ -47,6 +47,7 @@ from .device import facts, resolve, setup as setup_kernels
 from .errors import REPORTED, ConfigError, LaunchError, RunError
 from .launch import env as launch_env, join, supervise
 from .metrics import start_up
+from .noise import NoiseScale, half_batch, squared_norm
 from .optim import build_optimizer, decayed, loss_fn, lr_at
 from .replicas import load_replica_buffers
 from .resume import resume_from
@@ -108,6 +109,8 @@ class Job:
         self._pending = False  # a batch was given and its step not yet taken
         self._averaging, self._forwards = False, 0  # forwards through wrap()'s module since the last step
         self._images = 0  # the images of the batch given last
+        self._split_every, self._half_sq = 0, None  # one replica's noise scale (noise.py: half_batch)
+        self._steps = 0  # job.step() calls of this process
 
     # --- the constructor for scripts ------------------------------------------------------------------
 
@@ -197,6 +200,11 @@ class Job:
         # Emulated compute runs no backward: the strategy averages in its step, not in a DDP's backward.
         module = self.strategy.model if cfg.train.emulate_compute_s else self.strategy.wrap()
         self._averaging = module is not self.strategy.model  # in the backward of a forward through module
+        b = cfg.data.batch_size
+        if cfg.train.noise_every and self.strategy.noise is None and b >= 2 and not cfg.train.emulate_compute_s \
+                and not cfg.strategy.emulate_workers:  # no group to average with: half the batch, at times
+            self._split_every = cfg.train.noise_every
+            self.strategy.noise = NoiseScale(b // 2, b, device)
         if self._averaging:
             module.register_forward_pre_hook(self._forwarded)
         return module, opt
@@ -250,6 +258,11 @@ class Job:
             raise RunError("job.step(): the batch's forward did not run through the module job.wrap() returned, "
                            "whose backward averages the replicas' gradients; call that module, not the network")
         self._pending, self._forwards = False, 0
+        self._steps += 1
+        if self._half_sq is not None:  # job.loss measured half the batch: the whole batch's gradient is in .grad
+            self.strategy.noise.add(self._half_sq, squared_norm(p.grad for p in self.strategy.params))
+            self.strategy.noise.step()
+            self._half_sq = None
         t, sched = self.tracker, self.schedule
         if self._slow:
             time.sleep(self._slow)  # testing only: an emulated straggler
@@ -268,7 +281,11 @@ class Job:
         scales). A loop may use its own; under parameter servers a loss's decay is the only one (the
         shards' optimizer has none of its own)."""
         self._wrapped("loss")
-        return loss_fn(output.float(), y, self._decayed, self.cfg.optim.weight_decay)
+        wd = self.cfg.optim.weight_decay
+        if self._split_every and self._steps % self._split_every == 0 and output.requires_grad and len(y) >= 2:
+            self._half_sq = half_batch(lambda out, lab: loss_fn(out.float(), lab, self._decayed, wd), output, y,
+                                       self.strategy.params)
+        return loss_fn(output.float(), y, self._decayed, wd)
 
     @property
     def should_stop(self) -> bool:

@@ -31,7 +31,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
             compute = Emulated(cfg, job.strategy.model, job.device)
         else:
-            compute = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, job.device)
+            compute = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, job.device,
+                               job.loss)
         for batch in job.batches():
             loss, _ = compute(batch)  # forward and backward: .grad holds this replica's gradient
             job.step(loss)

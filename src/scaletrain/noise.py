@@ -18,8 +18,13 @@ moving average over windows) before their ratio is taken, as the paper does: the
 point. A run's summary gives the ratio of their means over the whole run (`overall`), steadier
 late in training, when |G|^2 is small beside its noise. A replica's own
 squared norm stands for the replicas' mean: it is unbiased, and the average over steps takes out
-the rest. No estimate without two batch sizes: one replica (no group), or gradients made up
-(train.emulate_compute_s) that no backward computed.
+the rest.
+
+A replica with no group (one process; one per node under a PS) has one batch size only. With
+train.noise_every = N it makes a second every N steps (job.py, `half_batch`): the gradient of the
+first half of its batch, by one more backward through the batch's graph, beside the whole batch's
+gradient that the loop's backward leaves in .grad. The cost is that backward, once per N steps.
+No estimate from gradients made up (train.emulate_compute_s) that no backward computed.
 """
 
 from __future__ import annotations
@@ -97,3 +102,17 @@ def _ratio(s: float, g2: float) -> float | None:
     if not g2 > 0 or not s >= 0 or not math.isfinite(s):
         return None
     return s / g2
+
+
+def squared_norm(tensors) -> torch.Tensor:
+    """The sum of squares of every element of the tensors (None skipped), a 0-d tensor on their device."""
+    return torch.stack([torch.dot(t.flatten(), t.flatten()) for t in tensors if t is not None]).sum()
+
+
+def half_batch(loss_fn, output: torch.Tensor, y: torch.Tensor, params) -> torch.Tensor:
+    """The squared norm of the gradient of loss_fn over the first half of the batch (output, y), by a
+    backward that keeps the graph for the loop's own (retain_graph): one backward's compute."""
+    half = len(y) // 2
+    grads = torch.autograd.grad(loss_fn(output[:half], y[:half]), params, retain_graph=True, allow_unused=True)
+    return squared_norm(grads)
+

@@ -51,6 +51,19 @@ def test_a_users_loop_is_the_built_in_loop_to_the_bit(digits_cfg, tmp_path):
         sorted(p.name for p in (tmp_path / "builtin" / "checkpoints").glob("*.pt"))
 
 
+@pytest.mark.parametrize("loop", ["builtin", "user"])
+def test_one_process_measures_the_noise_scale_when_asked(digits_cfg, tmp_path, loop):
+    """train.noise_every: one replica's noise scale from half its batch, in the rows and the summary,
+    through job.loss in the built-in loop and in a user's; none by default."""
+    cfg = digits_cfg("train.steps=40", "train.log_every=20", "train.noise_every=1")
+    run = train if loop == "builtin" else user_loop
+    summary = run(cfg, tmp_path / "on", progress=False) if loop == "builtin" else run(cfg, tmp_path / "on")
+    rows = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["noise_scale"] > 0 for r in rows if r["kind"] == "train" and "noise_scale" in r] == [True, True]
+    assert summary["noise_scale"] > 0
+    assert train(digits_cfg("train.steps=4"), tmp_path / "off", progress=False)["noise_scale"] is None
+
+
 def test_train_takes_a_config_built_in_python_and_checks_it(tmp_path):
     cfg = Config(model=ModelConfig(name="resnet8", width=8), data=DataConfig(image_size=8, batch_size=16, workers=0),
                  train=TrainConfig(device="cpu", steps=4, eval_every=4))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from scaletrain.noise import NoiseScale, two_batch
+from scaletrain.noise import NoiseScale, half_batch, squared_norm, two_batch
 
 D, SIGMA = 10, 1.0
 
@@ -59,3 +59,27 @@ def test_no_estimate_before_a_window_or_while_the_gradient_is_lost_in_noise():
     assert window(40.0, 1.0) is None  # |G|^2 = (16 - 320) / 8 < 0: smoothed, still below 0
     with pytest.raises(ValueError, match="two batch sizes"):
         NoiseScale(8, 8, torch.device("cpu"))
+
+
+def test_one_replica_measures_it_from_half_its_batch():
+    """One process's two batch sizes: half its batch by half_batch's extra backward, then the whole."""
+    gen = torch.Generator().manual_seed(1)
+    b = 32
+    model = torch.nn.Linear(D, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(1 / math.sqrt(D))  # w* = 0: |delta| = 1, B_simple = 21
+    noise = NoiseScale(b // 2, b, torch.device("cpu"))
+    loss_fn = lambda out, e: 0.5 * (out.squeeze(1) - e).pow(2).mean()  # noqa: E731
+    for _ in range(20):
+        for _ in range(100):
+            x = torch.randn(b, D, generator=gen, dtype=torch.float64)
+            e = SIGMA * torch.randn(b, generator=gen, dtype=torch.float64)
+            out = model(x)
+            half = half_batch(loss_fn, out, e, [model.weight])
+            model.zero_grad()
+            loss_fn(out, e).backward()  # the graph half_batch kept
+            noise.add(half, squared_norm(p.grad for p in model.parameters()))
+            noise.step()
+        noise.window()
+    assert noise.overall == pytest.approx(21.0, rel=0.10), noise.overall
+

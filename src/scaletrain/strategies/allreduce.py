@@ -140,7 +140,7 @@ class AllReduce(Strategy):
             elif self.wire is None:  # DDP's own all-reduce of the buckets (with a wire type the hook counts)
                 count_ring(self.counters, self.world, self.numel * grads[0].dtype.itemsize)
             asked = self._asked()
-        if self.noise is not None:
+        if self.ddp is not None:  # the hook measured this backward's buckets
             self.noise.step()
         self.set_lr(lr)
         self.optimizer.step()
