@@ -122,8 +122,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="--recommend: rank by throughput, efficiency, or the hours to --until's target")
     pr.add_argument("--until", metavar="accuracy=A|loss=L", help="the target to predict updates, images and hours to "
                     "(with --learning)")
-    pr.add_argument("--learning", type=Path, metavar="RUN_DIR", help="a run on this workload that reached --until's "
-                    "target, with 2 or more replicas (its gradient noise scale): what time to accuracy is predicted from")
+    pr.add_argument("--learning", type=Path, nargs="+", metavar="RUN_DIR",
+                    help="runs on this workload that reached --until's target: one synchronous run with its gradient "
+                    "noise scale (2 or more replicas, or train.noise_every), and for asynchronous parameter servers "
+                    "emulator runs (strategy.emulate_workers); what time to accuracy is predicted from")
     pr.add_argument("--min-efficiency", type=float, default=0.0)
     pr.add_argument("--max-staleness", type=float, help="leave out configurations with more mean staleness")
     pr.add_argument("--validate", nargs="+", type=Path, metavar="BENCH_DIR",

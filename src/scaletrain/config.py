@@ -92,10 +92,13 @@ class OptimConfig:
     step_size: int = opt(1000, "step schedule: multiply lr by gamma every this many steps (>=1)", lo=1, hi=10**9)
     gamma: float = opt(0.1, "step schedule: factor applied every step_size steps (0..1)", lo=0.0, hi=1.0)
     scale_lr: str = opt("none", "scale lr with the images per update: none | linear (x B/reference_batch) | "
-                        "sqrt (x sqrt(B/reference_batch)); warm-up then rises from lr to the scaled lr",
-                        choices=("none", "linear", "sqrt"))
+                        "sqrt (x sqrt(B/reference_batch)) | noise (x (1 + N/reference_batch) / (1 + N/B), N = "
+                        "optim.noise_scale: the rule under which predict --until holds); warm-up then rises from "
+                        "lr to the scaled lr", choices=("none", "linear", "sqrt", "noise"))
     reference_batch: int = opt(256, "images per update that optim.lr was set for, for scale_lr (1..10^7)",
                                lo=1, hi=10**7)
+    noise_scale: float = opt(0.0, "the gradient noise scale for scale_lr = noise, in images: a measured run's "
+                             "summary.json noise_scale (>0 with that rule)", lo=0.0, hi=1e9)
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,9 @@ def _check_relations(cfg: Config) -> None:
         if getattr(d, key) and d.name not in DATA_SOURCES:
             raise ConfigError(f"data.{key} = {getattr(d, key)!r}: data.name = {d.name!r} reads no files of its own; "
                               "give the factory its paths in [data.args]")
+    if cfg.optim.scale_lr == "noise" and not cfg.optim.noise_scale > 0:
+        raise ConfigError("optim.scale_lr = 'noise' needs optim.noise_scale > 0: a measured run's noise_scale "
+                          "(summary.json)")
     if cfg.train.steps == 0 and cfg.train.epochs <= 0:
         raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
     s, c = cfg.strategy, cfg.cluster

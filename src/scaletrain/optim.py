@@ -81,10 +81,16 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor, decayed_params: list[tor
 
 
 def peak_lr(cfg, update_images: int) -> float:
-    """optim.lr scaled for `update_images` images per update: linear (Goyal et al. 2017),
-    square root, or none, against optim.reference_batch."""
-    k = update_images / cfg.reference_batch
-    return cfg.lr * {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[cfg.scale_lr]
+    """optim.lr scaled for `update_images` images per update, against optim.reference_batch: linear
+    (Goyal et al. 2017), square root, none, or by the gradient noise scale N (noise): the gain
+    (1 + N/B_ref) / (1 + N/B), which is how much further one update of B images goes than one of
+    B_ref (McCandlish et al. 2018; AdaScale's gain, Johnson et al. 2020, at a fixed N): linear while
+    B is well below N, levelling off above it. Under it an update of B images counts as that many
+    of B_ref, which is what perfmodel/statistical.py predicts steps to a target with."""
+    b, ref = update_images, cfg.reference_batch
+    if cfg.scale_lr == "noise":
+        return cfg.lr * (1 + cfg.noise_scale / ref) / (1 + cfg.noise_scale / b)
+    return cfg.lr * {"none": 1.0, "linear": b / ref, "sqrt": math.sqrt(b / ref)}[cfg.scale_lr]
 
 
 def lr_at(cfg, step: int, total: int, update_images: int) -> float:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from scaletrain.config import OptimConfig
+from scaletrain.config import ConfigError, OptimConfig, load_config
 from scaletrain.optim import RMSpropTF, build_optimizer, decayed, loss_fn, lr_at, state_keys
 
 
@@ -84,6 +84,17 @@ def test_schedules():
     cos = OptimConfig(lr=2.0, schedule="cosine")
     assert lr_at(cos, 0, 10, 32) == 2.0 and lr_at(cos, 5, 10, 32) == pytest.approx(1.0) and lr_at(cos, 10, 10, 32) == 0.0
     assert lr_at(OptimConfig(lr=0.3), 999, 10, 32) == 0.3
+
+
+def test_the_noise_rule_scales_lr_by_the_gain_of_a_larger_update():
+    """scale_lr = noise, N = 32, reference 32: (1 + 1) / (1 + 32/B): about linear well below N, at most 2x."""
+    c = OptimConfig(lr=0.1, scale_lr="noise", noise_scale=32.0, reference_batch=32)
+    assert lr_at(c, 0, 10, 32) == pytest.approx(0.1)
+    assert lr_at(c, 0, 10, 96) == pytest.approx(0.1 * 2 / (1 + 1 / 3))
+    assert lr_at(c, 0, 10, 4) == pytest.approx(0.1 * 2 / 9)
+    assert lr_at(c, 0, 10, 10 ** 9) == pytest.approx(0.2)
+    with pytest.raises(ConfigError, match="optim.noise_scale > 0"):
+        load_config(None, ["optim.scale_lr=noise"])
 
 
 @pytest.mark.parametrize("name,momentum", [("sgd", 0.9), ("sgd", 0.0), ("rmsprop-tf", 0.9)])

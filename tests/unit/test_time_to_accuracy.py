@@ -39,6 +39,19 @@ def measured_run(tmp_path, noise=8.0, accuracy=(0.5, 0.9)):
     rows += [{"kind": "eval", "step": 500, "images": 16000, "test_accuracy": accuracy[0]},
              {"kind": "eval", "step": 1000, "images": 32000, "test_accuracy": accuracy[1]}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"test_images": 1000}))
+    return run
+
+
+def emulator_run(tmp_path):
+    """4 emulated asynchronous workers of 32 images (mean staleness 3) that reached 0.9 at 80,000 images:
+    2,500 updates, 2.5x the 1,000 that synchronous updates of 32 took, so c = (2.5 - 1) / 3 = 0.5."""
+    run = tmp_path / "emulated"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(load_config(None, ["data.batch_size=32", "strategy.emulate_workers=4"])))
+    rows = [{"kind": "eval", "step": 2500, "images": 80000, "test_accuracy": 0.9}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"staleness_mean": 3.0, "test_images": 1000}))
     return run
 
 
@@ -72,17 +85,30 @@ def test_predict_until_from_a_run_directory(tmp_path, capsys):
     profile.write_text(dump_profile(replace(TOY, replicas_per_node=2), {}))
     run = measured_run(tmp_path)
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(dump_toml(load_config(None, [*RECIPE[:3], "cluster.gpus_per_node=2"])))
-    args = ["predict", "--profile", str(profile), "--recipe", str(recipe), "--until", "accuracy=0.9", "--learning", str(run),
-            "--format", "json", "--grid", "strategy.name+cluster.num_ps=allreduce:0,sync:1,async:1",
-            "cluster.nodes=2"]
+    recipe.write_text(dump_toml(load_config(None, [*RECIPE[:3], "cluster.gpus_per_node=2", "train.eval_every=100"])))
+    args = ["predict", "--profile", str(profile), "--recipe", str(recipe), "--until", "accuracy=0.9", "--format",
+            "json", "--grid", "strategy.name+cluster.num_ps=allreduce:0,sync:1,async:1,async-allreduce:0",
+            "cluster.nodes=2", "--learning", str(run)]
     assert main(args) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
-    # 2 nodes x 2 replicas x 32: 128 images an update, allreduce and sync alike: 850 updates
+    # 2 nodes x 2 replicas x 32: 128 images an update, allreduce and sync alike: 850 updates, 850 job steps;
+    # 8 evaluations, each 1,000 test images over 4 replicas, 7.8 forwards of 32 at a third of 1.0 s: 20.8 s
     for name in ("allreduce", "sync"):
         assert rows[name]["target_updates"] == pytest.approx(850) and rows[name]["target_images"] == pytest.approx(108800)
-        assert rows[name]["target_hours"] == pytest.approx(108800 / rows[name]["images_per_sec"] / 3600)
-    assert "target_hours" not in rows["async"] and "stale gradients" in rows["async"]["target_note"]
+        assert rows[name]["target_eval_hours"] * 3600 == pytest.approx(8 * 1000 / 4 / 32 / 3, rel=0.01)
+        assert rows[name]["target_hours"] * 3600 == pytest.approx(108800 / rows[name]["images_per_sec"]
+                                                                  + 8 * 1000 / 4 / 32 / 3, rel=0.01)
+    assert "target_hours" not in rows["async"] and "emulator run" in rows["async"]["target_note"]
+    assert "target_hours" not in rows["async-allreduce"] and "rounds" in rows["async-allreduce"]["target_note"]
+    # with the emulator's run beside it, c = 0.5: each replica's update of 32 images (async), a node's of 64
+    # (mixed-async), at the staleness simulated for each
+    grid = args.index("--grid") + 1
+    args[grid] = "strategy.name+cluster.num_ps=async:1,mixed-async:1"
+    assert main([*args, str(emulator_run(tmp_path))]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
+    for name, update in (("async", 32), ("mixed-async", 64)):
+        tau = rows[name]["staleness_mean"]
+        assert tau > 0 and rows[name]["target_updates"] == pytest.approx(800 * (1 + 8 / update) * (1 + 0.5 * tau))
 
 
 @pytest.mark.parametrize("args, says", [

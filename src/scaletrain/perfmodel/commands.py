@@ -65,7 +65,7 @@ def workload(profile: str, recipe: str | None, overrides: list[str], spread: flo
 def predict_command(profile: str, recipe: str | None, overrides: list[str], cells: list[dict[str, str]],
                     fmt: str = "table", spread: float = 0.0, images: int | None = None,
                     epochs: float | None = None, target: tuple[str, float] | None = None,
-                    learning: Path | None = None) -> int:
+                    learning: list[Path] | None = None) -> int:
     """`scaletrain predict`: the predicted figures of each cell of the grid (cells: {key: value}
     each; [{}] is the recipe alone), with seconds per epoch of `images` and hours to train
     `epochs` (defaults: the profile's, else the recipe's epochs), and with `target` (--until) the
@@ -96,12 +96,15 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
     else:
         if measured:
             print(f"predict: to {measured.describe()}", file=sys.stderr)
+            if cfg.optim.scale_lr != "noise":
+                print(f"predict: updates to the target are those of optim.scale_lr = 'noise' (optim.noise_scale = "
+                      f"{measured.noise_scale:.0f}); the recipe scales lr by {cfg.optim.scale_lr!r}", file=sys.stderr)
         print(table(rows))
     return 1 if any(r.get("error") for r in rows) else 0
 
 
-def learned(target: tuple[str, float] | None, learning: Path | None) -> Learning | None:
-    """The measured run that time to a target is predicted from; both --until and --learning, or neither."""
+def learned(target: tuple[str, float] | None, learning: list[Path] | None) -> Learning | None:
+    """The measured runs that time to a target is predicted from; both --until and --learning, or neither."""
     if (target is None) != (learning is None) or (target and target[0] == "epochs"):
         raise ModelError("time to a target needs --until accuracy=A or loss=L and --learning RUN_DIR (a run that "
                          "reached it, measured on this workload)")
@@ -112,7 +115,7 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
                       spread: float = 0.0, max_nodes: int = 16, max_batch: int | None = None,
                       batches: str | None = None, objective: str = "throughput", min_efficiency: float = 0.0,
                       max_staleness: float | None = None, target: tuple[str, float] | None = None,
-                      learning: Path | None = None) -> int:
+                      learning: list[Path] | None = None) -> int:
     """`scaletrain predict --recommend`: the best configuration per node count up to max_nodes,
     trying the batches per replica `batches` ("16,32") or those up to max_batch (default: the
     recipe's batch only)."""

@@ -161,7 +161,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f} / {r['staleness_p95']:.0f}" + \
             (f", drops {r['dropped_fraction']:.0%}" if r["dropped_fraction"] else "")
         if "target_hours" in r:
-            target = f" {r['target_updates']:.0f} | {r['target_images']:.3g} | {r['target_hours']:.3g} |"
+            evals = f" ({r['target_eval_hours']:.2g} evaluating)" if r.get("target_eval_hours") else ""
+            target = f" {r['target_updates']:.0f} | {r['target_images']:.3g} | {r['target_hours']:.3g}{evals} |"
         else:
             target = f" {r.get('target_note', '-')} | | |"
         lines.append(f"| {scaling.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "

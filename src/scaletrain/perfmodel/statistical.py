@@ -4,17 +4,24 @@ McCandlish et al. (2018): training to a target takes S = S_min (1 + B_noise / B)
 images, and so E = E_min (1 + B / B_noise) images, with E_min = S_min B_noise; B_noise is the
 gradient noise scale (noise.py measures it while training). One run to the target at B0 images per
 update gives S_min = S0 / (1 + B_noise / B0), and from it the updates at any B: a larger update
-costs fewer updates but more images once B passes B_noise. The hours are those images over the
-configuration's predicted throughput (predict.py).
+costs fewer updates but more images once B passes B_noise. The law holds where the learning rate
+follows the update as it assumes: optim.scale_lr = noise (optim.py), the rule a run to be predicted
+trains with. The hours are those images over the configuration's predicted throughput (predict.py),
+plus the evaluations on the way: train.eval_every's, each a forward pass over the measured run's
+test images shared by the replicas, a forward taken as a third of a training step's compute.
 
-Asynchronous strategies apply stale gradients, which changes the updates to a target in ways the
-noise scale does not say: their rows say so instead of a number. Evaluation time is not in the hours.
+Asynchronous parameter servers apply stale gradients: an update computed tau versions back moves
+the values less far towards the target than a fresh one. The model: at mean staleness tau, an
+update counts 1 / (1 + c tau) of a synchronous one of the same images, c fitted from runs of the
+one-process emulator (strategy.emulate_workers = K: every gradient K-1 versions stale) to the same
+target, given beside the synchronous run; tau is the staleness the simulation predicts for the
+configuration (predict.py). Rounds of asynchronous all-reduce are not predicted.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,42 +36,42 @@ TARGETS = ("accuracy", "loss")  # --until: the test accuracy reached (eval rows)
 
 @dataclass(frozen=True)
 class Learning:
-    """What one measured run says of the target: reached after `images`, at `update` images per update,
-    with the gradient noise scale `noise_scale` measured there."""
+    """What measured runs say of the target: reached after `images`, at `update` images per update,
+    with the gradient noise scale `noise_scale` measured there; `staleness_cost` c from emulator runs
+    (None without one), and the test images an evaluation reads."""
 
     target: tuple[str, float]
     images: int
     update: int
     noise_scale: float
     source: str
+    staleness_cost: float | None = None
+    test_images: int = 0
 
-    def updates_at(self, update: int) -> float:
-        """Updates to the target at `update` images per update: S_min (1 + B_noise / B)."""
+    def updates_at(self, update: int, staleness: float = 0.0) -> float:
+        """Updates to the target at `update` images per update, at mean staleness `staleness`:
+        S_min (1 + B_noise / B) (1 + c tau)."""
         s_min = self.images / self.update / (1 + self.noise_scale / self.update)
-        return s_min * (1 + self.noise_scale / update)
+        stale = 1 + (self.staleness_cost or 0.0) * staleness if staleness else 1.0
+        return s_min * (1 + self.noise_scale / update) * stale
 
     def describe(self) -> str:
         what, value = self.target
+        cost = "" if self.staleness_cost is None else f", staleness cost {self.staleness_cost:.2f} an update of delay"
         return (f"{what} {value:g} after {self.images} images at {self.update} images per update, gradient noise "
-                f"scale {self.noise_scale:.0f} ({self.source})")
+                f"scale {self.noise_scale:.0f}{cost} ({self.source})")
 
 
-def read_learning(run_dir: Path, target: tuple[str, float]) -> Learning:
-    """The measured run in run_dir (summary.json, metrics.jsonl) to the target; ModelError of one line
-    naming the file when it has no such point or no noise scale there."""
+def _read_run(run_dir: Path, target: tuple[str, float]):
+    """(config, rows, summary, images to the target) of the run in run_dir; ModelError naming the file."""
     what, value = target
-    if what not in TARGETS:
-        raise ModelError(f"--until {what}={value:g}: time to a target is of accuracy=A or loss=L")
     metrics = run_dir / "metrics.jsonl"
     try:
         cfg = load_config(run_dir / "config.toml")
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     except (OSError, ValueError) as e:
         raise ModelError(f"--learning {run_dir}: not a run's directory ({type(e).__name__}: {e})") from None
-    if entry(cfg).server == "async" or entry(cfg).rounds:
-        raise ModelError(f"--learning {run_dir}: a run of strategy.name = {cfg.strategy.name!r}, whose stale gradients "
-                         "change the updates to a target; measure with a synchronous one (allreduce, sync)")
-    update = images_per_update(cfg)
     if what == "accuracy":
         hits = [r for r in rows if r["kind"] == "eval" and r.get("test_accuracy", 0) >= value]
     else:
@@ -72,26 +79,73 @@ def read_learning(run_dir: Path, target: tuple[str, float]) -> Learning:
     if not hits:
         raise ModelError(f"{metrics}: the run never reached {what} {value:g}; measure one that does (a longer run, "
                          "or train.target_accuracy / train.target_loss)")
-    images = hits[0]["images"]
+    return cfg, rows, summary, hits[0]["images"]
+
+
+def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Learning:
+    """The measured runs to the target: one synchronous run (its noise scale, its updates to the target)
+    and any emulator runs (strategy.emulate_workers: the staleness cost, their mean). ModelError of one
+    line naming the file when a run has no such point or no noise scale there."""
+    what, value = target
+    if what not in TARGETS:
+        raise ModelError(f"--until {what}={value:g}: time to a target is of accuracy=A or loss=L")
+    runs = [run_dirs] if isinstance(run_dirs, Path) else list(run_dirs)
+    sync, emulated = [], []
+    for run_dir in runs:
+        read = _read_run(run_dir, target)
+        cfg = read[0]
+        if cfg.strategy.emulate_workers and not entry(cfg).rounds:
+            emulated.append((run_dir, read))
+        elif entry(cfg).server == "async" or entry(cfg).rounds:
+            raise ModelError(f"--learning {run_dir}: a run of strategy.name = {cfg.strategy.name!r}"
+                             f"{' (emulated rounds)' if cfg.strategy.emulate_workers else ''}, whose stale gradients "
+                             "change the updates to a target; measure with a synchronous one (allreduce, sync) and, "
+                             "for asynchronous parameter servers, the emulator (strategy.emulate_workers = K)")
+        else:
+            sync.append((run_dir, read))
+    if len(sync) != 1:
+        raise ModelError(f"--learning: {len(sync)} synchronous runs among {', '.join(map(str, runs))}; give one "
+                         "(with emulator runs beside it, if any)")
+    run_dir, (cfg, rows, summary, images) = sync[0]
     noise = [r["noise_scale"] for r in rows if r["kind"] == "train" and "noise_scale" in r and r["images"] <= images]
     if not noise:
-        raise ModelError(f"{metrics}: no gradient noise scale before the target (it is measured where backward "
-                         "averages two or more replicas: run the measurement with 2 replicas or more)")
-    return Learning(target, images, update, noise[-1], str(run_dir))
+        raise ModelError(f"{run_dir / 'metrics.jsonl'}: no gradient noise scale before the target (it is measured "
+                         "where backward averages two or more replicas, or in one replica with train.noise_every = N)")
+    base = Learning(target, images, images_per_update(cfg), summary.get("noise_scale") or noise[-1], str(run_dir),
+                    test_images=summary.get("test_images", 0))
+    costs = []
+    for run_dir, (ecfg, _, esummary, eimages) in emulated:
+        tau = esummary.get("staleness_mean")
+        if not tau:
+            raise ModelError(f"{run_dir / 'summary.json'}: no staleness_mean; an emulator run with "
+                             "strategy.emulate_workers >= 2 that finished")
+        update = images_per_update(ecfg)
+        costs.append((eimages / update / base.updates_at(update) - 1) / tau)
+    cost = max(0.0, sum(costs) / len(costs)) if costs else None
+    return replace(base, staleness_cost=cost, source=", ".join(map(str, runs)))
 
 
 def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str, Any]:
-    """The row (predict.py's, for cfg) with the updates, job steps, images and hours to the target; for an
-    asynchronous strategy, why there are none."""
+    """The row (predict.py's, for cfg) with the updates, job steps, images and hours to the target,
+    evaluations included; for an asynchronous strategy without a staleness cost, why there are none."""
     if row.get("error"):
         return row
     e = entry(cfg)
-    if e.server == "async" or e.rounds:
-        row["target_note"] = "asynchronous: stale gradients change the updates to a target; not predicted"
+    if e.rounds:
+        row["target_note"] = "asynchronous rounds: stale gradients change the updates to a target; not predicted"
+        return row
+    staleness = (row.get("staleness_mean") or 0.0) if e.server == "async" else 0.0
+    if e.server == "async" and learning.staleness_cost is None:
+        row["target_note"] = ("asynchronous: not predicted without an emulator run to the target in --learning "
+                              "(strategy.emulate_workers = K)")
         return row
     update = images_per_update(cfg)
-    updates = learning.updates_at(update)
+    updates = learning.updates_at(update, staleness)
     images = updates * update
-    row.update(target_updates=updates, target_images=images, target_steps=images / step_images(cfg),
-               target_hours=images / applied_rate(row) / 3600)
+    steps = images / step_images(cfg)
+    evals = int(steps // cfg.train.eval_every) if cfg.train.eval_every else 0
+    # a forward pass: a third of the compute of a step of batch_per_replica images, its share of the test set
+    eval_s = evals * learning.test_images / row["replicas"] / row["batch_per_replica"] * row["parts_s"]["compute"] / 3
+    row.update(target_updates=updates, target_images=images, target_steps=steps,
+               target_hours=(images / applied_rate(row) + eval_s) / 3600, target_eval_hours=eval_s / 3600)
     return row
