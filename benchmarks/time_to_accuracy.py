@@ -1,0 +1,151 @@
+"""Time to accuracy, predicted against measured: updates to a target accuracy at 1, 2, 4 and 8 nodes,
+predicted from runs in one process (perfmodel/statistical.py), against real jobs of that many nodes.
+
+Every run trains digits (recipes/digits.toml with group norm, no augmentation, a constant learning
+rate) with nodes of 1 replica of BATCH images, until its test accuracy reaches --target (evaluated
+every EVAL_IMAGES images or so), --seeds times, each seed its own initialisation and data order.
+
+The inputs, each one process on this machine, per seed:
+- the 1-node run: BATCH images an update at --lr, its gradient noise scale measured from half its
+  batch (train.noise_every = 1): the updates to the target there and the noise scale;
+- an emulator run: strategy.emulate_workers = EMULATED (every gradient EMULATED - 1 updates stale),
+  at BATCH images and --lr: the cost of staleness (updates to the target at staleness tau over the
+  synchronous ones, 1 + c tau).
+From them, scaletrain's own read_learning() predicts the updates to the target of each configuration:
+allreduce and sync (a parameter server) at N nodes, N x BATCH images an update; mixed-async at N
+nodes, each node's update of BATCH images applied asynchronously, at the mean staleness its real job
+measured (the performance model predicts the staleness itself; `scaletrain predict --validate` checks
+that part). The synchronous jobs scale lr with optim.scale_lr = noise at the mean measured noise scale,
+the rule the prediction assumes. The measured jobs are real processes (gloo), launched as a user
+launches them; the 1-node rows are the inputs and are left out of the error.
+
+    python benchmarks/time_to_accuracy.py [--seeds 3] [--target 0.93] [--save]
+
+Prints one JSON object: per configuration, the measured updates (each seed, mean, min..max) and the
+predicted ones (the median of the seeds' predictions), their relative error, and the median
+absolute error over the configurations. About 15 minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "digits.toml")
+BATCH = 16  # images per replica per step; 1 replica a node
+EMULATED = 4  # workers of the emulator run: staleness 3
+EVAL_IMAGES = 32  # evaluate about every this many images applied (at least every job step)
+COMMON = ["model.norm=group", "data.augment=none", "data.workers=0", "train.threads=1", "optim.schedule=constant",
+          "optim.warmup_steps=0", "train.checkpoint_every=0", "train.log_every=5", "train.steps=4000",
+          f"data.batch_size={BATCH}", f"optim.reference_batch={BATCH}"]
+
+
+class Runs:
+    def __init__(self, tmp: Path, target: float, parallel: int) -> None:
+        self.tmp, self.target, self.pool = tmp, target, ThreadPoolExecutor(parallel)
+
+    def start(self, name: str, sets: list[str], step_images: int):
+        """The run started; what it returns gives its directory, None where it did not reach the target."""
+        every = max(1, EVAL_IMAGES // step_images)
+        return self.pool.submit(self._one, name, [*sets, f"train.eval_every={every}",
+                                                  f"train.target_accuracy={self.target}"])
+
+    def _one(self, name: str, sets: list[str]) -> Path | None:
+        run_dir = self.tmp / name
+        cmd = [sys.executable, "-m", "scaletrain", "train", "--recipe", RECIPE, "--run-dir", str(run_dir), "--quiet",
+               *sum((["--set", s] for s in (*COMMON, *sets)), [])]
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"{name}: scaletrain train exited {r.returncode}: {r.stderr.strip()[-500:]}")
+        s = json.loads((run_dir / "summary.json").read_text())
+        if not s.get("target_reached"):
+            print(f"{name}: did not reach accuracy {self.target} in {s['steps']} steps", file=sys.stderr, flush=True)
+            return None
+        print(f"{name}: target after {s['images_to_target']} images, staleness {s.get('staleness_mean') or 0:.2f}, "
+              f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        return run_dir
+
+
+def updates_to_target(run_dir: Path, update: int) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["images_to_target"] / update
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--target", type=float, default=0.93, help="test accuracy to reach")
+    ap.add_argument("--lr", type=float, default=0.05, help="learning rate at BATCH images an update")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    ap.add_argument("--save", action="store_true", help="also write benchmarks/results/time-to-accuracy-TIME-COMMIT.json")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    from scaletrain.metrics import git_commit
+    from scaletrain.perfmodel.statistical import read_learning
+
+    seeds = range(args.seeds)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = Runs(Path(tmp), args.target, args.parallel)
+        lr = f"optim.lr={args.lr}"
+        ref = [runs.start(f"ref-seed{s}", [lr, "train.noise_every=1", f"train.seed={s}"], BATCH) for s in seeds]
+        emu = [runs.start(f"emulated-seed{s}", [lr, f"strategy.emulate_workers={EMULATED}", f"train.seed={s}"], BATCH)
+               for s in seeds]
+        learned = [read_learning([r.result(), e.result()], ("accuracy", args.target)) for r, e in zip(ref, emu)]
+        noise = statistics.fmean(x.noise_scale for x in learned)
+        rule = [lr, "optim.scale_lr=noise", f"optim.noise_scale={noise:.1f}"]
+        jobs = {}
+        for n in args.nodes:
+            cluster = [f"cluster.nodes={n}", "cluster.gpus_per_node=1"]
+            jobs["allreduce", n] = [runs.start(f"allreduce{n}-seed{s}", [*rule, *cluster, f"train.seed={s}"], n * BATCH)
+                                    for s in seeds]
+            jobs["sync", n] = [runs.start(f"sync{n}-seed{s}", [*rule, *cluster, "strategy.name=sync", "cluster.num_ps=1",
+                                                                f"train.seed={s}"], n * BATCH) for s in seeds]
+            if n > 1:
+                jobs["mixed-async", n] = [runs.start(f"mixed{n}-seed{s}", [lr, *cluster, "strategy.name=mixed-async",
+                                                                           "cluster.num_ps=1", f"train.seed={s}"],
+                                                     n * BATCH) for s in seeds]
+        rows = []
+        for (name, n), futures in jobs.items():
+            dirs = [f.result() for f in futures]
+            update = BATCH if name == "mixed-async" else n * BATCH
+            if None in dirs:  # a seed that never got there: no steps to compare with
+                rows.append({"strategy": name, "nodes": n, "images_per_update": update, "input": n == 1,
+                             "not_reached": sum(d is None for d in dirs)})
+                continue
+            measured = [updates_to_target(d, update) for d in dirs]
+            stale = [json.loads((d / "summary.json").read_text()).get("staleness_mean") or 0.0 for d in dirs]
+            tau = statistics.fmean(stale)
+            predicted = statistics.median(x.updates_at(update, tau if name == "mixed-async" else 0.0) for x in learned)
+            mean = statistics.fmean(measured)
+            rows.append({"strategy": name, "nodes": n, "images_per_update": update, "measured_updates": measured,
+                         "measured_mean": round(mean, 1), "measured_min": min(measured), "measured_max": max(measured),
+                         "staleness_mean": round(tau, 2), "predicted_updates": round(predicted, 1),
+                         "error": round(predicted / mean - 1, 3), "input": n == 1})
+    scored = [abs(r["error"]) for r in rows if not r["input"] and "error" in r]
+    out = {"benchmark": "time_to_accuracy", "commit": git_commit(), "target_accuracy": args.target, "seeds": args.seeds,
+           "batch_per_replica": BATCH, "lr": args.lr, "noise_scale_mean": round(noise, 1),
+           "noise_scales": [round(x.noise_scale, 1) for x in learned],
+           "staleness_costs": [round(x.staleness_cost, 3) for x in learned],
+           "median_abs_error": round(statistics.median(scored), 3), "max_abs_error": round(max(scored), 3),
+           "seconds": round(time.monotonic() - t0), "rows": rows,
+           "command": "python benchmarks/time_to_accuracy.py " + " ".join(sys.argv[1:])}
+    print(json.dumps(out, indent=1))
+    if args.save:
+        stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
+        path = ROOT / "benchmarks" / "results" / f"time-to-accuracy-{stamp}-{out['commit'][:7]}.json"
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
