@@ -104,11 +104,17 @@ def test_predict_until_from_a_run_directory(tmp_path, capsys):
     # (mixed-async), at the staleness simulated for each
     grid = args.index("--grid") + 1
     args[grid] = "strategy.name+cluster.num_ps=async:1,mixed-async:1"
-    assert main([*args, str(emulator_run(tmp_path))]) == 0
+    emulated = str(emulator_run(tmp_path))
+    assert main([*args, emulated]) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
     for name, update in (("async", 32), ("mixed-async", 64)):
         tau = rows[name]["staleness_mean"]
         assert tau > 0 and rows[name]["target_updates"] == pytest.approx(800 * (1 + 8 / update) * (1 + 0.5 * tau))
+    # 4 nodes of 2 replicas pushing alone: staleness about 7, past the emulator's 3: not extrapolated
+    args[args.index("cluster.nodes=2")] = "cluster.nodes=4"
+    assert main([*args, emulated]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["staleness_mean"] > 6 and "beyond the emulator runs' 3.0" in row["target_note"], row
 
 
 @pytest.mark.parametrize("args, says", [

@@ -134,8 +134,9 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
         asked = batches is not None or max_batch is not None
         print(f"recommend: {batch_note(tried, cfg.data.batch_size, prof, asked)}", file=sys.stderr)
         if measured:
-            print(f"recommend: to {measured.describe()}; asynchronous strategies left out (their stale gradients "
-                  "change the updates to a target)", file=sys.stderr)
+            left = ("asynchronous rounds left out" if measured.staleness_cost is not None else
+                    "asynchronous strategies left out: give --learning an emulator run to predict them")
+            print(f"recommend: to {measured.describe()}; {left}", file=sys.stderr)
         entries = recommend(cfg, prof, max_nodes, objective, min_efficiency, max_staleness, spread, batches=tried,
                             learning=measured)
     except (ProfileError, ConfigError, ModelError) as e:

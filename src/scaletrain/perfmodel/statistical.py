@@ -15,12 +15,15 @@ the values less far towards the target than a fresh one. The model: at mean stal
 update counts 1 / (1 + c tau) of a synchronous one of the same images, c fitted from runs of the
 one-process emulator (strategy.emulate_workers = K: every gradient K-1 versions stale) to the same
 target, given beside the synchronous run; tau is the staleness the simulation predicts for the
-configuration (predict.py). Rounds of asynchronous all-reduce are not predicted.
+configuration (predict.py), up to the largest staleness an emulator run had: past it stale updates
+can diverge, which a line fitted below it does not say. Rounds of asynchronous all-reduce are not
+predicted.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ class Learning:
     noise_scale: float
     source: str
     staleness_cost: float | None = None
+    staleness_max: float = 0.0  # the most staleness an emulator run measured: the cost is not extrapolated past it
     test_images: int = 0
 
     def updates_at(self, update: int, staleness: float = 0.0) -> float:
@@ -57,7 +61,8 @@ class Learning:
 
     def describe(self) -> str:
         what, value = self.target
-        cost = "" if self.staleness_cost is None else f", staleness cost {self.staleness_cost:.2f} an update of delay"
+        cost = "" if self.staleness_cost is None else (f", staleness cost {self.staleness_cost:.2f} an update of "
+                                                       f"delay up to staleness {self.staleness_max:.1f}")
         return (f"{what} {value:g} after {self.images} images at {self.update} images per update, gradient noise "
                 f"scale {self.noise_scale:.0f}{cost} ({self.source})")
 
@@ -113,7 +118,7 @@ def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Lea
                          "where backward averages two or more replicas, or in one replica with train.noise_every = N)")
     base = Learning(target, images, images_per_update(cfg), summary.get("noise_scale") or noise[-1], str(run_dir),
                     test_images=summary.get("test_images", 0))
-    costs = []
+    costs, taus = [], [0.0]
     for run_dir, (ecfg, _, esummary, eimages) in emulated:
         tau = esummary.get("staleness_mean")
         if not tau:
@@ -121,8 +126,9 @@ def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Lea
                              "strategy.emulate_workers >= 2 that finished")
         update = images_per_update(ecfg)
         costs.append((eimages / update / base.updates_at(update) - 1) / tau)
+        taus.append(tau)
     cost = max(0.0, sum(costs) / len(costs)) if costs else None
-    return replace(base, staleness_cost=cost, source=", ".join(map(str, runs)))
+    return replace(base, staleness_cost=cost, staleness_max=max(taus), source=", ".join(map(str, runs)))
 
 
 def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str, Any]:
@@ -138,6 +144,10 @@ def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str
     if e.server == "async" and learning.staleness_cost is None:
         row["target_note"] = ("asynchronous: not predicted without an emulator run to the target in --learning "
                               "(strategy.emulate_workers = K)")
+        return row
+    if staleness > learning.staleness_max * 1.05:  # stale updates can diverge where the emulator ran none
+        row["target_note"] = (f"staleness {staleness:.1f}: beyond the emulator runs' {learning.staleness_max:.1f}; "
+                              f"not predicted (give one at strategy.emulate_workers >= {math.ceil(staleness) + 1})")
         return row
     update = images_per_update(cfg)
     updates = learning.updates_at(update, staleness)
