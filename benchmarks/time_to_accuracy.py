@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,9 @@ def main() -> None:
     ap.add_argument("--save", action="store_true", help="also write benchmarks/results/time-to-accuracy-TIME-COMMIT.json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
-    from scaletrain.metrics import git_commit
+    import torch
+
+    from scaletrain.metrics import run_info
     from scaletrain.perfmodel.statistical import read_learning
 
     seeds = range(args.seeds)
@@ -134,7 +137,8 @@ def main() -> None:
                          "error": round(predicted / mean - 1, 3), "input": n == 1,
                          "beyond_emulator": tau > 1.05 * min(x.staleness_max for x in learned)})
     scored = [abs(r["error"]) for r in rows if not r["input"] and "error" in r]
-    out = {"benchmark": "time_to_accuracy", "commit": git_commit(), "target_accuracy": args.target, "seeds": args.seeds,
+    out = {"benchmark": "time_to_accuracy", **run_info(torch.device("cpu")), "cores": os.cpu_count(),
+           "target_accuracy": args.target, "seeds": args.seeds,
            "batch_per_replica": BATCH, "lr": args.lr, "noise_scale_mean": round(noise, 1),
            "noise_scales": [round(x.noise_scale, 1) for x in learned],
            "staleness_costs": [round(x.staleness_cost, 3) for x in learned],
@@ -144,7 +148,7 @@ def main() -> None:
     print(json.dumps(out, indent=1))
     if args.save:
         stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
-        path = ROOT / "benchmarks" / "results" / f"time-to-accuracy-{stamp}-{out['commit'][:7]}.json"
+        path = ROOT / "benchmarks" / "results" / f"time-to-accuracy-{stamp}-{out['git_commit'][:7]}.json"
         path.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {path}", file=sys.stderr)
 
