@@ -112,3 +112,40 @@ def study_table(rows: list[dict[str, Any]], until) -> str:
                      f"{'not reached' if t is None else marked(r, 'time', f'{t:.1f} s')}{n}{here} | {r['steps']} | "
                      f"{imp} | {noise} | {r.get('flag') or ''} |")
     return "\n".join(lines)
+
+
+def findings(rows: list[dict[str, Any]], until) -> list[str]:
+    """What the study shows from its fewest to its most nodes, for each configuration but the node
+    count: whether its time (to the target, where one is set) falls, on the table's clock, and its
+    test accuracy; or which node counts did not reach the target. Sentences of the table's figures,
+    a finding that does not hold said as plainly as one that does."""
+    target = bool(until and until[0] != "epochs")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if not r.get("error"):
+            cell = dict(r.get("cell") or {})
+            cell.pop("cluster.nodes", None)
+            name = cell.pop("strategy.name", r.get("strategy", ""))
+            rest = ", ".join(f"{k}={v}" for k, v in sorted(cell.items()))
+            groups.setdefault(f"{name} ({rest})" if rest else str(name), []).append(r)
+    what = f"time to {until[0]} {until[1]:g}" if target else "training time"
+    out = []
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["nodes"])
+        lo, hi = rs[0], rs[-1]
+        if lo["nodes"] == hi["nodes"]:
+            continue
+        missed = [r for r in rs if _time(r, until) is None]
+        if missed:
+            nodes = ", ".join(str(r["nodes"]) for r in missed)
+            best = ", ".join(f"{r['best_test_accuracy']:.4f}" for r in missed)
+            out.append(f"{name}: {nodes} node(s) did not reach {until[0]} {until[1]:g} (best test accuracy {best})"
+                       if target else f"{name}: no training time at {nodes} node(s)")
+            continue
+        t0, t1 = _time(lo, until), _time(hi, until)
+        verb = "falls" if t1 < t0 else "does not fall"
+        points = (hi["test_accuracy"] - lo["test_accuracy"]) * 100
+        out.append(f"{name}: {what} {verb} from {lo['nodes']} to {hi['nodes']} nodes, {t0:.1f} s to {t1:.1f} s; "
+                   f"test accuracy {lo['test_accuracy']:.4f} to {hi['test_accuracy']:.4f} ({points:+.1f} points)")
+    return out
+

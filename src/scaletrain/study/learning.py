@@ -128,7 +128,9 @@ def run(recipe: str, overrides: list[str], grid, until: tuple[str, float] | None
             fh.write(json.dumps(row) + "\n")
             fh.flush()
     rows = figures.add_improvement(rows, until)
-    bench.publish(out, "study", rows, figures.study_table(rows, until), progress)
+    found = "".join(f"\n- {line}" for line in figures.findings(rows, until))
+    bench.publish(out, "study", rows, figures.study_table(rows, until) + (f"\n\nFindings:\n{found}" if found else ""),
+                  progress)
     return rows
 
 

@@ -70,7 +70,8 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     if study_rows:
         until = study_rows[0].get("until")
         until = tuple(until) if until else None
-        sections.append(("Learning: accuracy and time", figures.study_table(study_rows, until), STUDY_DEFINITIONS))
+        sections.append(("Learning: accuracy and time", figures.study_table(study_rows, until), STUDY_DEFINITIONS,
+                         figures.findings(study_rows, until)))
         learning_plots(study_rows, out, made, "study-", until)
     if runs:
         lines = ["| Run | Strategy | Replicas | Steps | img/s | Test accuracy | Flag |",
@@ -93,8 +94,9 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     staleness_plot(summaries, out, made)
     staleness_plot(summaries, out, made, "gradients_per_update_hist")
     md = ["# scaletrain report", ""]
-    for title, table, notes in sections:
-        md += [f"## {title}", "", table, "", notes, ""] if notes else [f"## {title}", "", table, ""]
+    for title, table, notes, *found in sections:
+        md += [f"## {title}", "", table, ""] + ([f"- {line}" for line in found[0]] + [""] if found and found[0] else [])
+        md += [notes, ""] if notes else []
     md += ["## Plots", ""] + [f"![{t}]({name})" for name, t in made] + [""]
     (out / "report.md").write_text("\n".join(md))
     (out / "report.html").write_text(_html(sections, made, out))
@@ -141,8 +143,10 @@ def _html(sections, made, out: Path) -> str:
              "figure{margin:16px 0}img{max-width:100%}td.flag{background:#fde2dc;color:#8a1c0c;text-align:left}"
              "</style></head><body>",  # small multiples: full width
              "<h1>scaletrain report</h1>"]
-    for title, table, notes in sections:
+    for title, table, notes, *found in sections:
         parts += [f"<h2>{html.escape(title)}</h2>", _md_table_html(table)]
+        if found and found[0]:
+            parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in found[0]) + "</ul>")
         if notes:
             parts.append(f"<p>{html.escape(notes)}</p>")
     if made:
