@@ -10,8 +10,8 @@ The inputs, each one process on this machine, per seed:
   batch (train.noise_every = 1): the updates to the target there and the noise scale;
 - an emulator run: strategy.emulate_workers = EMULATED (every gradient EMULATED - 1 updates stale),
   at BATCH images and --lr: the cost of staleness (updates to the target at staleness tau over the
-  synchronous ones, 1 + c tau), which `predict` applies up to the staleness it measured (a row past
-  it says beyond_emulator).
+  synchronous ones, g^tau), which `predict` applies up to the staleness it measured (a row past it
+  says beyond_emulator).
 From them, scaletrain's own read_learning() predicts the updates to the target of each configuration:
 allreduce and sync (a parameter server) at N nodes, N x BATCH images an update; mixed-async at N
 nodes, each node's update of BATCH images applied asynchronously, at the mean staleness its real job
@@ -141,7 +141,7 @@ def main() -> None:
            "target_accuracy": args.target, "seeds": args.seeds,
            "batch_per_replica": BATCH, "lr": args.lr, "noise_scale_mean": round(noise, 1),
            "noise_scales": [round(x.noise_scale, 1) for x in learned],
-           "staleness_costs": [round(x.staleness_cost, 3) for x in learned],
+           "staleness_factors": [round(x.staleness_factor, 3) for x in learned],
            "median_abs_error": round(statistics.median(scored), 3), "max_abs_error": round(max(scored), 3),
            "seconds": round(time.monotonic() - t0), "rows": rows,
            "command": "python benchmarks/time_to_accuracy.py " + " ".join(sys.argv[1:])}

@@ -45,7 +45,7 @@ def measured_run(tmp_path, noise=8.0, accuracy=(0.5, 0.9)):
 
 def emulator_run(tmp_path):
     """4 emulated asynchronous workers of 32 images (mean staleness 3) that reached 0.9 at 80,000 images:
-    2,500 updates, 2.5x the 1,000 that synchronous updates of 32 took, so c = (2.5 - 1) / 3 = 0.5."""
+    2,500 updates, 2.5x the 1,000 that synchronous updates of 32 took, so g = 2.5^(1/3) a version."""
     run = tmp_path / "emulated"
     run.mkdir()
     (run / "config.toml").write_text(dump_toml(load_config(None, ["data.batch_size=32", "strategy.emulate_workers=4"])))
@@ -100,7 +100,7 @@ def test_predict_until_from_a_run_directory(tmp_path, capsys):
                                                                   + 8 * 1000 / 4 / 32 / 3, rel=0.01)
     assert "target_hours" not in rows["async"] and "emulator run" in rows["async"]["target_note"]
     assert "target_hours" not in rows["async-allreduce"] and "rounds" in rows["async-allreduce"]["target_note"]
-    # with the emulator's run beside it, c = 0.5: each replica's update of 32 images (async), a node's of 64
+    # with the emulator's run beside it, g = 2.5^(1/3): each replica's update of 32 images (async), a node's of 64
     # (mixed-async), at the staleness simulated for each
     grid = args.index("--grid") + 1
     args[grid] = "strategy.name+cluster.num_ps=async:1,mixed-async:1"
@@ -109,7 +109,7 @@ def test_predict_until_from_a_run_directory(tmp_path, capsys):
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
     for name, update in (("async", 32), ("mixed-async", 64)):
         tau = rows[name]["staleness_mean"]
-        assert tau > 0 and rows[name]["target_updates"] == pytest.approx(800 * (1 + 8 / update) * (1 + 0.5 * tau))
+        assert tau > 0 and rows[name]["target_updates"] == pytest.approx(800 * (1 + 8 / update) * 2.5 ** (tau / 3))
     # 4 nodes of 2 replicas pushing alone: staleness about 7, past the emulator's 3: not extrapolated
     args[args.index("cluster.nodes=2")] = "cluster.nodes=4"
     assert main([*args, emulated]) == 0

@@ -134,7 +134,7 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
         asked = batches is not None or max_batch is not None
         print(f"recommend: {batch_note(tried, cfg.data.batch_size, prof, asked)}", file=sys.stderr)
         if measured:
-            left = ("asynchronous rounds left out" if measured.staleness_cost is not None else
+            left = ("asynchronous rounds left out" if measured.staleness_factor is not None else
                     "asynchronous strategies left out: give --learning an emulator run to predict them")
             print(f"recommend: to {measured.describe()}; {left}", file=sys.stderr)
         entries = recommend(cfg, prof, max_nodes, objective, min_efficiency, max_staleness, spread, batches=tried,

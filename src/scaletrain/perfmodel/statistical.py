@@ -11,13 +11,15 @@ plus the evaluations on the way: train.eval_every's, each a forward pass over th
 test images shared by the replicas, a forward taken as a third of a training step's compute.
 
 Asynchronous parameter servers apply stale gradients: an update computed tau versions back moves
-the values less far towards the target than a fresh one. The model: at mean staleness tau, an
-update counts 1 / (1 + c tau) of a synchronous one of the same images, c fitted from runs of the
-one-process emulator (strategy.emulate_workers = K: every gradient K-1 versions stale) to the same
-target, given beside the synchronous run; tau is the staleness the simulation predicts for the
-configuration (predict.py), up to the largest staleness an emulator run had: past it stale updates
-can diverge, which a line fitted below it does not say. Rounds of asynchronous all-reduce are not
-predicted.
+the values less far towards the target than a fresh one. The model: at mean staleness tau the
+updates to the target are the synchronous ones times g^tau, each version of delay costing the same
+factor g, fitted from runs of the one-process emulator (strategy.emulate_workers = K: every gradient
+K-1 versions stale) to the same target, given beside the synchronous run (the geometric mean of
+their (updates / synchronous updates)^(1/tau)). On digits the emulator at staleness 3 and at 4 gives
+about the same g, where a cost linear in tau would not. tau is the staleness the simulation predicts
+for the configuration (predict.py), up to the largest staleness an emulator run had: past it stale
+updates can diverge, which a factor fitted below it does not say. Rounds of asynchronous all-reduce
+are not predicted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ TARGETS = ("accuracy", "loss")  # --until: the test accuracy reached (eval rows)
 @dataclass(frozen=True)
 class Learning:
     """What measured runs say of the target: reached after `images`, at `update` images per update,
-    with the gradient noise scale `noise_scale` measured there; `staleness_cost` c from emulator runs
+    with the gradient noise scale `noise_scale` measured there; `staleness_factor` g from emulator runs
     (None without one), and the test images an evaluation reads."""
 
     target: tuple[str, float]
@@ -48,21 +50,21 @@ class Learning:
     update: int
     noise_scale: float
     source: str
-    staleness_cost: float | None = None
+    staleness_factor: float | None = None
     staleness_max: float = 0.0  # the most staleness an emulator run measured: the cost is not extrapolated past it
     test_images: int = 0
 
     def updates_at(self, update: int, staleness: float = 0.0) -> float:
         """Updates to the target at `update` images per update, at mean staleness `staleness`:
-        S_min (1 + B_noise / B) (1 + c tau)."""
+        S_min (1 + B_noise / B) g^tau."""
         s_min = self.images / self.update / (1 + self.noise_scale / self.update)
-        stale = 1 + (self.staleness_cost or 0.0) * staleness if staleness else 1.0
+        stale = (self.staleness_factor or 1.0) ** staleness
         return s_min * (1 + self.noise_scale / update) * stale
 
     def describe(self) -> str:
         what, value = self.target
-        cost = "" if self.staleness_cost is None else (f", staleness cost {self.staleness_cost:.2f} an update of "
-                                                       f"delay up to staleness {self.staleness_max:.1f}")
+        cost = "" if self.staleness_factor is None else (f", {self.staleness_factor:.2f}x the updates a version of "
+                                                         f"staleness, up to staleness {self.staleness_max:.1f}")
         return (f"{what} {value:g} after {self.images} images at {self.update} images per update, gradient noise "
                 f"scale {self.noise_scale:.0f}{cost} ({self.source})")
 
@@ -125,10 +127,10 @@ def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Lea
             raise ModelError(f"{run_dir / 'summary.json'}: no staleness_mean; an emulator run with "
                              "strategy.emulate_workers >= 2 that finished")
         update = images_per_update(ecfg)
-        costs.append((eimages / update / base.updates_at(update) - 1) / tau)
+        costs.append(math.log(eimages / update / base.updates_at(update)) / tau)
         taus.append(tau)
-    cost = max(0.0, sum(costs) / len(costs)) if costs else None
-    return replace(base, staleness_cost=cost, staleness_max=max(taus), source=", ".join(map(str, runs)))
+    factor = math.exp(max(0.0, sum(costs) / len(costs))) if costs else None
+    return replace(base, staleness_factor=factor, staleness_max=max(taus), source=", ".join(map(str, runs)))
 
 
 def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str, Any]:
@@ -141,7 +143,7 @@ def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str
         row["target_note"] = "asynchronous rounds: stale gradients change the updates to a target; not predicted"
         return row
     staleness = (row.get("staleness_mean") or 0.0) if e.server == "async" else 0.0
-    if e.server == "async" and learning.staleness_cost is None:
+    if e.server == "async" and learning.staleness_factor is None:
         row["target_note"] = ("asynchronous: not predicted without an emulator run to the target in --learning "
                               "(strategy.emulate_workers = K)")
         return row
