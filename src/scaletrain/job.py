@@ -189,8 +189,6 @@ class Job:
         prepare = Prepare(cfg.data.augment, self.train_set.stats, device, self._channels_last)
         self.tracker = t = Tracker(cfg, ctx, self.run_dir, model, self.strategy, sched, prepare, len(self.train_set),
                                    self.test_set, resumed, self.progress)
-        if t.not_applied and ctx.is_chief:
-            log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in t.not_applied.items()))
         self.tick = Tick(t.images0, False, t.images0 >= sched.target)
         self._decayed = decayed(model)
         self._slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
@@ -205,6 +203,12 @@ class Job:
                 and not cfg.strategy.emulate_workers:  # no group to average with: half the batch, at times
             self._split_every = cfg.train.noise_every
             self.strategy.noise = NoiseScale(b // 2, b, device)
+        elif cfg.train.noise_every:
+            t.not_applied["train.noise_every"] = (
+                "the replicas' group measures the noise scale at every step" if self.strategy.noise is not None
+                else "no backward of this batch's gradients to measure (emulated compute or workers, or 1 image)")
+        if t.not_applied and ctx.is_chief:
+            log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in t.not_applied.items()))
         if self._averaging:
             module.register_forward_pre_hook(self._forwarded)
         return module, opt
@@ -311,6 +315,10 @@ class Job:
                                "job's end: every replica runs it to its end (train.steps, train.epochs, a target "
                                "reached or a stop)")
             t = self.tracker
+            if self._split_every and not self.strategy.noise.totals[2] and self._steps >= self._split_every:
+                t.not_applied["train.noise_every"] = "no loss went through job.loss, where one replica measures it"
+                if self.ctx.is_chief:
+                    log.warning("not applied: train.noise_every = %s", t.not_applied["train.noise_every"])
             try:
                 self.strategy.finish(stopped=t.stopped)  # after the last snapshot: the PS stop when every pusher is done
             finally:

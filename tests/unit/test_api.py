@@ -64,6 +64,21 @@ def test_one_process_measures_the_noise_scale_when_asked(digits_cfg, tmp_path, l
     assert train(digits_cfg("train.steps=4"), tmp_path / "off", progress=False)["noise_scale"] is None
 
 
+def test_noise_every_not_applied_is_said(digits_cfg, tmp_path):
+    """A loop whose loss does not go through job.loss measures nothing: the summary says so."""
+    cfg = digits_cfg("train.steps=4", "train.noise_every=1")
+    with Job(cfg, tmp_path / "own", progress=False) as job:
+        model, optimizer = job.wrap(scaletrain.build_model(cfg.model))
+        for x, y in job.batches():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            job.step(loss)
+    summary = job.figures()
+    assert summary["noise_scale"] is None and "job.loss" in summary["not_applied"]["train.noise_every"]
+    assert "job.loss" not in train(cfg, tmp_path / "builtin", progress=False)["not_applied"].get("train.noise_every", "")
+
+
 def test_train_takes_a_config_built_in_python_and_checks_it(tmp_path):
     cfg = Config(model=ModelConfig(name="resnet8", width=8), data=DataConfig(image_size=8, batch_size=16, workers=0),
                  train=TrainConfig(device="cpu", steps=4, eval_every=4))
