@@ -115,4 +115,3 @@ def half_batch(loss_fn, output: torch.Tensor, y: torch.Tensor, params) -> torch.
     half = len(y) // 2
     grads = torch.autograd.grad(loss_fn(output[:half], y[:half]), params, retain_graph=True, allow_unused=True)
     return squared_norm(grads)
-

@@ -171,14 +171,8 @@ class Tracker:
                                "steps_to_target": s.step_of(tick.images)}
                 self.bar.message(f"step {s.step_of(tick.images)}: target reached; stopping")
                 stop = save = True
-        node = getattr(self.strategy, "group", None)
-        if self.ctx.tolerant and node is not None and not tick.stop:
-            # Only the chief evaluates where the job goes on without lost workers: its node's replicas,
-            # at this point with it, learn whether it stops (else they would wait for it in the next
-            # backward). Collective over the node: 8 bytes.
-            flag = torch.tensor([int(stop)], dtype=torch.int64, device=self.device)
-            dist.broadcast(flag, src=self.strategy.leader, group=node)
-            stop = bool(flag.item())
+        if self.ctx.tolerant and not tick.stop:  # the chief alone evaluated: who stops with it
+            stop = self.strategy.agree_stop(stop)
         if save:
             self._checkpoint(tick, final=stop)
             self.saved_at = self.clock.wall()

@@ -94,6 +94,12 @@ class Strategy:
         """Called once after the last step (e.g. to release the PS); stopped: the number of the
         signal that stopped the job before its end (-1 when unknown), 0 when it ran to its end."""
 
+    def agree_stop(self, stop: bool) -> bool:
+        """At a sync point where this worker decided alone whether the job stops (only the chief
+        evaluates where no collective joins the workers): what its replicas that must stop with it
+        decide. Here there are none."""
+        return stop
+
     def snapshot(self) -> dict:
         """State held outside this process, for the chief's checkpoint (called between steps)."""
         return {}

@@ -65,6 +65,16 @@ class PSClient(Strategy):
             self.ddp = data_parallel(self.model, self.group, noise=self.noise)
         return self.ddp or self.model
 
+    def agree_stop(self, stop: bool) -> bool:
+        """A node's replicas share every step's values: they stop with their leader, which is the chief
+        on the chief's node (else one would wait for the other in the next backward). Collective over
+        the node: 8 bytes."""
+        if self.group is None:
+            return stop
+        flag = torch.tensor([int(stop)], dtype=torch.int64, device=self.params[0].device)
+        dist.broadcast(flag, src=self.leader, group=self.group)
+        return bool(flag.item())
+
     def step(self, lr: float) -> Tick:
         # The clocks are the device's events (Counters): they need no sync here, starting where the
         # stream reaches them. The push syncs once its payloads are queued, as it needs them on the host.
