@@ -258,7 +258,8 @@ def images_of(state: dict[str, Any]) -> int:
     if "images" in state:
         return state["images"]
     saved = {**Config().flat(), **state["config"]}
-    return state["step"] * saved["cluster.nodes"] * saved["cluster.gpus_per_node"] * saved["data.batch_size"]
+    return state["step"] * saved["cluster.nodes"] * saved["cluster.gpus_per_node"] // saved["parallel.stages"] * \
+        saved["data.batch_size"]
 
 
 def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:

@@ -199,6 +199,21 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    stages: int = opt(1, "pipeline stages a replica's network is split into, one process (GPU) each, side by side on "
+                      "a node: cluster.gpus_per_node = stages x replicas per node (1 = no split; 1..16)", lo=1, hi=16)
+    microbatches: int = opt(4, "stages > 1: micro-batches each replica's batch is cut into, which the stages work on "
+                            "in turn (data.batch_size a multiple; 1..1024)", lo=1, hi=1024)
+    schedule: str = opt("1f1b", "stages > 1: order of the micro-batches' forwards and backwards: 1f1b (one forward, "
+                        "one backward: activations of at most `stages` micro-batches held) | gpipe (every forward, "
+                        "then every backward)", choices=("1f1b", "gpipe"))
+    balance: str = opt("time", "stages > 1: split points balance the layers' measured forward and backward time "
+                       "(time) or their parameter counts (params)", choices=("time", "params"))
+    split: list = opt([], "stages > 1: the layers where stages 2, 3, ... begin, by name (`scaletrain plan` lists "
+                      "them; [] = chosen by parallel.balance)")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -206,6 +221,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def distributed(self) -> bool:
@@ -378,8 +394,36 @@ def _check_relations(cfg: Config) -> None:
     if c.min_nodes > c.nodes:
         raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
     _check_model(cfg.model)
+    _check_stages(cfg)
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
         raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
+
+
+def _check_stages(cfg: Config) -> None:
+    """parallel.* with what it composes with: the strategies whose traits say so, real compute."""
+    p, c = cfg.parallel, cfg.cluster
+    if p.stages == 1:
+        return
+    if c.gpus_per_node % p.stages:
+        raise ConfigError(f"cluster.gpus_per_node = {c.gpus_per_node}: a replica takes parallel.stages = {p.stages} "
+                          f"processes of a node; set it to a multiple of {p.stages}")
+    if cfg.data.batch_size % p.microbatches:
+        raise ConfigError(f"data.batch_size = {cfg.data.batch_size}: not a multiple of parallel.microbatches = "
+                          f"{p.microbatches}")
+    if p.split and len(p.split) != p.stages - 1:
+        raise ConfigError(f"parallel.split = {p.split!r}: names the first layer of stages 2..{p.stages}, "
+                          f"{p.stages - 1} names")
+    if not REGISTRY[cfg.strategy.name].stages:
+        names = " or ".join(n for n, e in REGISTRY.items() if e.stages)
+        raise ConfigError(f"parallel.stages = {p.stages}: composes with strategy.name = {names}; not "
+                          f"{cfg.strategy.name!r}, whose replicas {REGISTRY[cfg.strategy.name].no_stages}")
+    t, s = cfg.train, cfg.strategy
+    for key, value in (("train.emulate_compute_s", t.emulate_compute_s), ("strategy.emulate_workers",
+                       s.emulate_workers), ("train.noise_every", t.noise_every), ("train.compile", t.compile),
+                       ("train.channels_last", t.channels_last)):
+        if value:
+            raise ConfigError(f"{key} = {value}: not with parallel.stages = {p.stages}, whose forward and backward "
+                              "are the pipeline schedule's (set parallel.stages = 1 or turn it off)")
 
 
 def _check_model(m: ModelConfig) -> None:

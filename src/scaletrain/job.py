@@ -40,7 +40,7 @@ from . import schedule
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
-from .compute import keep_freed_memory
+from .compute import autocast, keep_freed_memory
 from .config import Config, dump_toml, load_config
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
@@ -49,8 +49,9 @@ from .launch import env as launch_env, join, supervise
 from .metrics import start_up
 from .noise import NoiseScale, half_batch, squared_norm
 from .optim import build_optimizer, decayed, loss_fn, lr_at
+from .pipeline import Pipeline
 from .replicas import load_replica_buffers
-from .resume import resume_from
+from .resume import newest_checkpoint, resume_from
 from .rundir import make as make_run_dir, prepare_run_dir
 from .strategies.base import Tick
 from .strategies.build import build_strategy
@@ -104,7 +105,7 @@ class Job:
         # A manifest's files are checked once a job (data/sources.py): the chief does it unless the launcher did.
         self.train_set, self.test_set, self.classes = build_datasets(cfg, self.run_dir, check=self.ctx.is_chief)
         self.schedule = make_schedule(cfg, len(self.train_set))
-        self.strategy = self.tracker = self.tick = None
+        self.strategy = self.tracker = self.tick = self.pipeline = self._module = None
         self.summary: dict[str, Any] | None = None
         self._pending = False  # a batch was given and its step not yet taken
         self._averaging, self._forwards = False, 0  # forwards through wrap()'s module since the last step
@@ -169,28 +170,39 @@ class Job:
         if optimizer is not None and (entry(cfg).uses_ps or cfg.strategy.emulate_workers):
             raise ConfigError(f"strategy.name = {cfg.strategy.name!r}: its parameter servers apply the updates with "
                               "the recipe's [optim]; call job.wrap(model) without an optimizer")
-        model = model.to(device)
+        if optimizer is not None and cfg.parallel.stages > 1:
+            raise ConfigError(f"parallel.stages = {cfg.parallel.stages}: each stage steps the recipe's [optim] over its "
+                              "own layers; call job.wrap(model) without an optimizer")
+        sched = self.schedule
+        found = newest_checkpoint(self.run_dir / "checkpoints", cfg, ctx.distributed) if self.resume else None
+        # With stages, this process's layers go to its device and the others stay where they are (pipeline.py);
+        # a resumed run keeps its checkpoint's split (a split by measured times may differ from run to run)
+        self.pipeline = Pipeline(cfg, ctx, model, device, found and found[0].get("pipeline_split")) \
+            if cfg.parallel.stages > 1 else None
+        net = self.pipeline.module if self.pipeline else model.to(device)
+        model = model if self.pipeline else net
         self._channels_last = cfg.train.channels_last and device.type == "cuda"
         if self._channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        opt = optimizer or build_optimizer(cfg.optim, model.parameters())
-        sched = self.schedule
-        resumed = resume_from(self.run_dir / "checkpoints", cfg, model, opt, ctx.distributed,
-                              sched.step_images) if self.resume else None
+            net = model = model.to(memory_format=torch.channels_last)
+        opt = optimizer or build_optimizer(cfg.optim, net.parameters())
+        resumed = resume_from(found, model, opt, sched.step_images, self.pipeline and self.pipeline.local_optimizer) \
+            if found else None
         if ctx.is_chief:
             make_run_dir(self.run_dir)  # only now: a config or data refused above leaves no directory behind
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
             (self.run_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
-        self.strategy = build_strategy(cfg, ctx, model, opt, sched)
+        self.strategy = build_strategy(cfg, ctx, net, opt, sched)
         if resumed is not None:
             self.strategy.restore(resumed.state)
-            load_replica_buffers(model, resumed.state.get("replica_buffers"), ctx.me.index)
+            saved = resumed.state.get("replica_buffers")
+            load_replica_buffers(net, saved[ctx.me.stage] if saved and self.pipeline else saved,
+                                 ctx.plan.replica_of(ctx.me))
             resumed.state = None  # the model, optimizer and strategy hold it now
         prepare = Prepare(cfg.data.augment, self.train_set.stats, device, self._channels_last)
         self.tracker = t = Tracker(cfg, ctx, self.run_dir, model, self.strategy, sched, prepare, len(self.train_set),
-                                   self.test_set, resumed, self.progress)
+                                   self.test_set, resumed, self.progress, self.pipeline)
         self.tick = Tick(t.images0, False, t.images0 >= sched.target)
-        self._decayed = decayed(model)
+        self._decayed = decayed(net)
         self._slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
         model.train()
         if ctx.distributed:
@@ -198,6 +210,8 @@ class Job:
         # Emulated compute runs no backward: the strategy averages in its step, not in a DDP's backward.
         module = self.strategy.model if cfg.train.emulate_compute_s else self.strategy.wrap()
         self._averaging = module is not self.strategy.model  # in the backward of a forward through module
+        if self.pipeline:
+            module, self._averaging = self.pipeline.build(module), True  # job.forward_backward counts the forwards
         b = cfg.data.batch_size
         if cfg.train.noise_every and self.strategy.noise is None and b >= 2 and not cfg.train.emulate_compute_s \
                 and not cfg.strategy.emulate_workers:  # no group to average with: half the batch, at times
@@ -209,8 +223,9 @@ class Job:
                 else "no backward of this batch's gradients to measure (emulated compute or workers, or 1 image)")
         if t.not_applied and ctx.is_chief:
             log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in t.not_applied.items()))
-        if self._averaging:
+        if self._averaging and not self.pipeline:
             module.register_forward_pre_hook(self._forwarded)
+        self._module = module
         return module, opt
 
     def _forwarded(self, module, args) -> None:
@@ -225,8 +240,8 @@ class Job:
         cfg, ctx, t = self.cfg, self.ctx, self.tracker
         emulated = bool(cfg.train.emulate_compute_s)
         loader = None if emulated else iter(train_loader(
-            self.train_set, cfg, self.schedule.step_of(self.tick.images), None, world=len(ctx.plan.workers),
-            rank=ctx.me.index, pin=self.device.type == "cuda")[0])
+            self.train_set, cfg, self.schedule.step_of(self.tick.images), None, world=ctx.plan.replicas,
+            rank=ctx.plan.replica_of(ctx.me), pin=self.device.type == "cuda")[0])
         try:
             while not self.tick.stop:
                 if self._pending:
@@ -247,6 +262,21 @@ class Job:
         finally:
             del loader  # stops its worker processes
 
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's forward and backward, as the built-in loop runs them: its loss (job.loss; on the device,
+        no host sync), with .grad holding the gradient. With parallel.stages > 1 they are the pipeline
+        schedule's, micro-batch by micro-batch through every stage, and a loop must call this (the module
+        job.wrap returns cannot be called on a batch): each stage passes the batch it was given, the first
+        using x and the last y, and gets the whole loss."""
+        self._wrapped("forward_backward")
+        if self.pipeline:
+            self._forwards += 1
+            return self.pipeline((x, y))[0]
+        with autocast(self.cfg.train.precision, self.device):
+            loss = self.loss(self._module(x), y)
+        loss.backward()
+        return loss.detach()
+
     def step(self, loss: torch.Tensor | float, lr: float | None = None) -> None:
         """After loss.backward() of the batch batches() gave: the strategy's step (gradients averaged or
         pushed, the optimizer's step, new values pulled), then the job's sync point when this step is
@@ -260,7 +290,9 @@ class Job:
             raise RunError("job.step(): the model has no gradients; call loss.backward() before job.step()")
         if self._averaging and not self._forwards:
             raise RunError("job.step(): the batch's forward did not run through the module job.wrap() returned, "
-                           "whose backward averages the replicas' gradients; call that module, not the network")
+                           "whose backward averages the replicas' gradients; call that module, not the network"
+                           if not self.pipeline else "job.step(): with parallel.stages > 1 the batch's forward and "
+                           "backward are job.forward_backward(x, y)'s; call it before job.step(loss)")
         self._pending, self._forwards = False, 0
         self._steps += 1
         if self._half_sq is not None:  # job.loss measured half the batch: the whole batch's gradient is in .grad

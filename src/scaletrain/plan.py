@@ -40,12 +40,27 @@ class Proc:
     index: int            # worker index among workers, or PS index among PS
     replica: int          # worker: replica (GPU) index within its node; PS: -1
     device: str           # "cuda:K" (K = replica) or "cpu"; PS always "cpu"
+    stage: int = 0        # worker: its pipeline stage (parallel.stages), 0 where a replica is one process
 
 
 @dataclass(frozen=True)
 class Plan:
     procs: tuple[Proc, ...]  # indexed by global rank
     nodes_total: int         # worker nodes + dedicated PS nodes
+    stages: int = 1          # processes (pipeline stages) a replica takes
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas: the data-parallel width (workers / stages)."""
+        return len(self.workers) // self.stages
+
+    def replica_of(self, p: Proc) -> int:
+        """A worker's replica among the job's (its data slice): the stages of one replica share it."""
+        return p.index // self.stages
+
+    def pipeline_of(self, p: Proc) -> list[int]:
+        """The ranks of the stages of a worker's replica, in stage order."""
+        return [q.rank for q in self.workers if self.replica_of(q) == self.replica_of(p)]
 
     @property
     def world_size(self) -> int:
@@ -67,7 +82,7 @@ class Plan:
 
     def describe(self, rank: int) -> str:
         p = self.procs[rank]
-        return f"rank {rank} ({p.role} {p.index} on {node_name(p.node)})"
+        return f"rank {rank} ({_role(self, p)} on {node_name(p.node)})"
 
     @property
     def procs_per_node(self) -> list[int]:
@@ -86,13 +101,18 @@ class Plan:
         return [p.rank for p in self.workers if p.replica == 0]
 
 
-def make_plan(cluster: ClusterConfig, ps_required: bool, gpus: int = 0, one_host: bool = False) -> Plan:
+def make_plan(cluster: ClusterConfig, ps_required: bool, gpus: int = 0, one_host: bool = False,
+              stages: int = 1) -> Plan:
     """The placement for `cluster`; raises PlanError when it cannot be placed.
     gpus: GPUs each host makes visible to the job (0: the workers run on CPUs); one_host: every
-    node of the plan runs on this one machine (the local launcher's emulated nodes)."""
+    node of the plan runs on this one machine (the local launcher's emulated nodes); stages: the
+    processes of a replica (parallel.stages), side by side on a node so that activations cross
+    between neighbouring GPUs: slot r of a node is stage r % stages of replica r // stages."""
     n, g, p = cluster.nodes, cluster.gpus_per_node, cluster.num_ps
     if n < 1 or g < 1:
         raise PlanError(f"cluster.nodes = {n}, cluster.gpus_per_node = {g}: both must be >= 1")
+    if g % stages:
+        raise PlanError(f"cluster.gpus_per_node = {g}: not a multiple of parallel.stages = {stages}")
     if ps_required and p == 0:
         raise PlanError("strategy needs at least one parameter server: set cluster.num_ps >= 1")
     if not ps_required and p > 0:
@@ -114,12 +134,12 @@ def make_plan(cluster: ClusterConfig, ps_required: bool, gpus: int = 0, one_host
         local = 0
         if node < n:
             for r in range(g):
-                procs.append(Proc(len(procs), node, local, "worker", node * g + r, r,
-                                  f"cuda:{gpu[node * g + r]}" if gpu else "cpu"))
+                procs.append(Proc(len(procs), node, local, "worker", node * g + r, r // stages,
+                                  f"cuda:{gpu[node * g + r]}" if gpu else "cpu", r % stages))
                 local += 1
         if node in ps_on_node:
             procs.append(Proc(len(procs), node, local, "ps", ps_on_node[node], -1, "cpu"))  # CPU work over gloo
-    return Plan(tuple(procs), nodes_total)
+    return Plan(tuple(procs), nodes_total, stages)
 
 
 def gpu_map(nodes: int, per_node: int, gpus: int, one_host: bool, share: bool) -> list[int]:
@@ -144,6 +164,13 @@ def node_name(node: int) -> str:
     return f"node {node + 1}"
 
 
+def _role(plan: Plan, p: Proc) -> str:
+    """'worker 3', 'ps 0'; with stages, 'worker 3 (replica 1, stage 2)'."""
+    if p.role == "worker" and plan.stages > 1:
+        return f"worker {p.index} (replica {plan.replica_of(p)}, stage {p.stage + 1})"
+    return f"{p.role} {p.index}"
+
+
 def _span(xs: list[int]) -> str:
     return f"{xs[0]}-{xs[-1]}" if len(xs) > 1 else str(xs[0])
 
@@ -154,8 +181,11 @@ def node_line(plan: Plan, node: int) -> str:
     replicas = [p for p in plan.on_node(node) if p.role == "worker"]
     if replicas:
         gpus = [int(p.device[5:]) for p in replicas if p.device.startswith("cuda:")]
+        k = len(replicas) // plan.stages
         where = f"GPU{'s' if len(gpus) > 1 else ''} {_span(gpus)}" if gpus else \
-            f"{len(replicas)} CPU replica{'s' if len(replicas) > 1 else ''}"
+            f"{k} CPU replica{'s' if k > 1 else ''}"
+        if plan.stages > 1:
+            where += f": {k} replica{'s' if k > 1 else ''} x {plan.stages} stages"
         parts.append(f"worker {node} ({where})")
     return f"{node_name(node)}: {' and '.join(parts)}"
 
@@ -171,6 +201,6 @@ def format_table(plan: Plan, addr: str = "", port: int = 0, hosts: list[str] | N
         host = hosts[p.node] if hosts else "-"
         gpu = p.device[5:] if p.device.startswith("cuda:") else "none"
         listens = f"{port or 'any free'} (rendezvous{' at ' + addr if addr else ''})" if p.rank == 0 else "-"
-        lines.append(f"{p.node + 1:<8} {host:<12} {p.rank:>4} {p.local_rank:>5}  {p.role + ' ' + str(p.index):<8} "
+        lines.append(f"{p.node + 1:<8} {host:<12} {p.rank:>4} {p.local_rank:>5}  {_role(plan, p):<8} "
                      f"{gpu:<5} {listens}")
     return "\n".join(lines)

@@ -16,11 +16,14 @@ def _float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
-def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_chief: bool):
-    """Every replica's floating buffers (BatchNorm statistics) as flat tensors, on the chief
-    (None elsewhere); a collective over the workers."""
+def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_chief: bool, numel: int | None = None):
+    """Every worker's floating buffers (BatchNorm statistics) as flat tensors, on the chief
+    (None elsewhere); a collective over the workers. numel: the size every worker's is padded to,
+    where they differ (pipeline stages)."""
     bufs = _float_buffers(model)
     flat = _flatten_dense_tensors(bufs) if bufs else torch.zeros(1, device=next(model.parameters()).device)
+    if numel is not None:
+        flat = torch.cat([flat[:numel], flat.new_zeros(numel - min(numel, flat.numel()))])
     out = [torch.empty_like(flat) for _ in range(workers)] if is_chief else None
     dist.gather(flat, out, dst=chief, group=group)  # collective over the workers
     return [t.cpu() for t in out] if is_chief else None
@@ -37,16 +40,19 @@ def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | Non
 
 
 def evaluate(model: torch.nn.Module, loader, device: torch.device, inputs, group, workers: int,
-             precision: str = "fp32") -> dict[str, float]:
+             precision: str = "fp32", buffers_group=None, forward=None) -> dict[str, float]:
     """Test loss and accuracy over every worker's slice: each evaluates its own, the sums are
     reduced. BatchNorm statistics are averaged over the replicas first, so all evaluate one model.
     precision: train.precision; the forward autocasts as training's does, so the figures are of
     the model as it trains (and evaluation costs what a forward in training does). inputs: a
-    loader's batch -> (x, y) on the device, (None, None) when none of its images could be read."""
-    if group is not None:
+    loader's batch -> (x, y) on the device, (None, None) when none of its images could be read.
+    With pipeline stages, `model` is this process's stage, its buffers averaged over `buffers_group`
+    (the stage's replicas), and forward(x, n) the logits of the last stage (None on the others, whose
+    sums stay 0)."""
+    if (buffers_group or group) is not None:
         bufs = [b for b in model.buffers() if b.is_floating_point()]
         if bufs:
-            average_(bufs, group, workers)  # collective over the workers
+            average_(bufs, buffers_group or group, workers)  # collective over the replicas
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, images
     with torch.no_grad():
@@ -54,8 +60,14 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, inputs, group
             x, y = inputs(batch)
             if x is None:
                 continue
-            with autocast(precision, device):
-                logits = model(x).float()
+            if forward is not None:
+                logits = forward(x, len(y))
+                if logits is None:
+                    continue
+            else:
+                with autocast(precision, device):
+                    logits = model(x)
+            logits = logits.float()
             sums[0] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
             sums[1] += (logits.argmax(1) == y).sum()
             sums[2] += len(y)

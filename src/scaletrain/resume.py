@@ -105,18 +105,24 @@ class Resumed:
     bad: set[str]           # unreadable files met so far
 
 
-def resume_from(ckpt_dir: Path, cfg, model: torch.nn.Module, optimizer, distributed: bool,
-                step_images: int) -> Resumed | None:
-    """Load the newest checkpoint (the same in every process) into model, optimizer and RNG,
-    after checking it was written with the same config; None when there is none."""
+def newest_checkpoint(ckpt_dir: Path, cfg, distributed: bool) -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint (the same in every process), checked to be of the same config; None when
+    there is none."""
     found = load_agreed(ckpt_dir, distributed)
     if found is None:
         log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt_dir)
         return None
+    check_config(found[1], found[0]["config"], cfg.flat())
+    return found
+
+
+def resume_from(found: tuple[dict[str, Any], Path], model: torch.nn.Module, optimizer, step_images: int,
+                own=None) -> Resumed:
+    """Load a checkpoint (newest_checkpoint's) into model, optimizer and RNG. own: the part of the whole
+    model's optimizer state this process's optimizer holds (a pipeline stage's), None: all of it."""
     state, path = found
-    check_config(path, state["config"], cfg.flat())
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(own(state["optimizer"]) if own else state["optimizer"])
     set_rng_state(state["rng"])
     state["images"] = images_of(state)
     # The step of this job: the checkpoint's own counts job steps of its node count, which may differ.

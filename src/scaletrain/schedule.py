@@ -63,7 +63,7 @@ def job_steps(train_steps: int, epochs: float, train_images: int, step_images: i
 
 def step_images(cfg) -> int:
     """Images of one job step of cfg: replicas x data.batch_size."""
-    return cfg.cluster.nodes * cfg.cluster.gpus_per_node * cfg.data.batch_size
+    return cfg.cluster.nodes * cfg.cluster.gpus_per_node // cfg.parallel.stages * cfg.data.batch_size
 
 
 def from_config(cfg, train_images: int) -> Schedule:

@@ -24,7 +24,7 @@ from .metrics import run_info
 HIST_BINS = 64  # the histograms' bins (staleness, gradients per update): 0..62, the last holds 63 and above
 FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
           "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher",
-          "stopped_at")
+          "stopped_at", "stage", "busy_s", "pipe_s", "act_sent", "peak_mem")
 
 
 def pack(world_size: int, **values) -> torch.Tensor:
@@ -123,12 +123,28 @@ def summarize(rows: list[dict], nodes: int) -> dict:
         # a PS's traffic per update it applied
         out["bytes_per_step"]["ps_sent"] = _mean(r["bytes_sent"] / max(r["steps"], 1) for r in ps)
         out["bytes_per_step"]["ps_recv"] = _mean(r["bytes_recv"] / max(r["steps"], 1) for r in ps)
+    if any(r["stage"] for r in workers):
+        out["pipeline"] = pipeline_figures(workers)
     # Per process: its own steps, and the images it computed over its own training time.
     out["per_worker"] = [{"rank": w["rank"], "node": int(w["node"]), "steps": int(w["steps"]),
                           "computed_images_per_sec": w["computed"] / w["own_s"] if w["own_s"] > 0 else 0.0,
                           "stopped_at_images": int(w["stopped_at"]),
                           **({"staleness_mean": w["staleness_mean"]} if "staleness_mean" in w else {})}
                          for w in workers]
+    return out
+
+
+def pipeline_figures(workers: list[dict]) -> list[dict]:
+    """Each stage's figures over its replicas: the fraction of the schedules' time it was idle (the
+    bubble), the bytes of activations and gradients it sent a step, its peak memory (the largest)."""
+    stages = sorted({int(r["stage"]) for r in workers})
+    out = []
+    for s in stages:
+        rows = [r for r in workers if int(r["stage"]) == s]
+        total = sum(r["pipe_s"] for r in rows)
+        out.append({"stage": s + 1, "idle_fraction": 1 - sum(r["busy_s"] for r in rows) / total if total else None,
+                    "activation_bytes_per_step": _mean(r["act_sent"] / max(r["steps"], 1) for r in rows),
+                    "peak_memory_bytes": int(max(r["peak_mem"] for r in rows))})
     return out
 
 
@@ -166,7 +182,8 @@ def write_summary(run_dir: Path, model: torch.nn.Module, fields: dict, cfg, ctx,
     summary = {
         **fields, "model": cfg.model.name, "parameters": sum(p.numel() for p in model.parameters()),
         "strategy": cfg.strategy.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "num_ps": c.num_ps,
-        "ps_placement": c.ps_placement, "replicas": len(ctx.plan.workers), "nodes_total": ctx.plan.nodes_total,
+        "ps_placement": c.ps_placement, "replicas": ctx.plan.replicas, "nodes_total": ctx.plan.nodes_total,
+        "stages": ctx.plan.stages,
         **run_info(device), **job, **strategy_stats,
     }
     write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), "the summary")

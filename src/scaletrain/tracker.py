@@ -28,6 +28,7 @@ from .data import Batch, DataError, test_loader
 from .device import not_applied
 from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
 from .replicas import evaluate, replica_buffers
+from .optim import state_keys
 from .resume import rng_state
 from .strategies.base import Tick
 
@@ -38,8 +39,10 @@ class Tracker:
     """What the loop reports to: the job clock, metrics rows, and what is done at sync points."""
 
     def __init__(self, cfg, ctx, run_dir, model, strategy, sched, prepare, train_images, test_set, resumed,
-                 progress) -> None:
+                 progress, pipeline=None) -> None:
+        """model: the whole network (with stages, the chief's copy that `pipeline` gathers them into)."""
         self.cfg, self.ctx, self.run_dir, self.model, self.strategy = cfg, ctx, run_dir, model, strategy
+        self.pipeline = pipeline
         self.sched, self.prepare, self.device, self.chief = sched, prepare, prepare.device, ctx.is_chief
         self.not_applied = not_applied(cfg, self.device.type)  # settings that take no effect in this run
         self.per_epoch = train_images // sched.step_images
@@ -51,13 +54,12 @@ class Tracker:
         self.writer = checkpoint.Writer(run_dir / "checkpoints", cfg.train.keep_checkpoints) if self.chief else None
         self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
                             every=cfg.train.log_every)
-        workers = len(ctx.plan.workers)
-        # Each worker evaluates its slice, or the chief all of it where no collective joins the workers.
-        # Emulated compute trains on made-up gradients: nothing to evaluate.
-        index, slices = (0, 1) if ctx.tolerant else (ctx.me.index, workers)
+        # Each replica evaluates its slice (with stages, each of its stages), or the chief all of it where no
+        # collective joins the workers. Emulated compute trains on made-up gradients: nothing to evaluate.
+        index, slices = (0, 1) if ctx.tolerant else (ctx.plan.replica_of(ctx.me), ctx.plan.replicas)
         self.evaluation = test_loader(test_set, cfg, self.device.type == "cuda", index, slices) \
             if len(test_set) and (self.chief or not ctx.tolerant) and not cfg.train.emulate_compute_s else None
-        self.group = None if ctx.tolerant else ctx.workers_group  # None when this is the only worker
+        self.group = None if ctx.tolerant else ctx.job_group  # None when this is the only worker
         self.lost: list[dict] = []  # worker nodes the job went on without (chief)
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=self.device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
@@ -204,8 +206,10 @@ class Tracker:
         if self.evaluation is None:
             return {}
         with self.strategy.latest():
-            res = evaluate(self.model, self.evaluation, self.device, self.inputs, self.group,
-                           len(self.ctx.plan.workers), self.cfg.train.precision)
+            p = self.pipeline
+            res = evaluate(p.module if p else self.model, self.evaluation, self.device, self.inputs, self.group,
+                           self.ctx.plan.replicas, self.cfg.train.precision, p and self.ctx.workers_group,
+                           p and p.forward)
         if res:
             self.final = res
             self.best = max(self.best or 0.0, res["test_accuracy"])
@@ -221,19 +225,32 @@ class Tracker:
         on exactly as an uninterrupted one), then copies it for its writer thread (the previous
         write done first); training goes on while it is written. final: the job's last one."""
         with self.strategy.latest() if self.chief else nullcontext():
+            p, opt = self.pipeline, self.strategy.optimizer
+            whole = p.gather(opt, state_keys(self.cfg.optim)) if p else None  # the other stages' values and state
             state = {"step": self.sched.step_of(tick.images), "images": tick.images,
-                     "model": self.model.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
+                     "model": self.model.state_dict(), "optimizer": whole or opt.state_dict(),
                      "rng": rng_state(), "config": self.cfg.flat(), "best_test_accuracy": self.best,
-                     "bad": sorted(self.bad), **self.strategy.snapshot()} if self.chief else None
+                     "bad": sorted(self.bad), **self.strategy.snapshot(),
+                     **({"pipeline_split": p.split} if p else {})} if self.chief else None
             if self.group is not None:
                 # Collective over the workers; it is also the barrier: no pusher moves on before the
                 # shards' state is taken.
-                buffers = replica_buffers(self.model, self.group, len(self.ctx.plan.workers),
-                                          self.ctx.plan.workers[0].rank, self.chief)
+                buffers = replica_buffers(self.strategy.model, self.group, len(self.ctx.plan.workers),
+                                          self.ctx.plan.workers[0].rank, self.chief, p and p.buffer_numel)
                 if self.chief:
-                    state["replica_buffers"] = buffers
+                    state["replica_buffers"] = p.by_stage(buffers) if p else buffers
             if self.chief:
                 self.writer.submit(state["step"], state, final=final)
+
+    def _pipeline(self, job: dict) -> dict:
+        """The split and its measured figures, each stage's beside the bubble a schedule has by its
+        formula, (S - 1) / (M + S - 1) of its time idle."""
+        if self.pipeline is None:
+            return {}
+        p, measured = self.pipeline, job.pop("pipeline", [{}] * self.pipeline.S)
+        return {"pipeline": {"schedule": self.cfg.parallel.schedule, "microbatches": p.M,
+                             "bubble_formula": (p.S - 1) / (p.M + p.S - 1),
+                             "stages": [{**a, **b} for a, b in zip(p.describe(), measured)]}}
 
     def close(self) -> None:
         self.bar.close()
@@ -245,13 +262,16 @@ class Tracker:
     def summarize(self, tick: Tick, train_images: int, test_images: int) -> dict[str, Any]:
         """Gather every process's figures; the chief writes model.safetensors and summary.json."""
         c = self.strategy.counters
-        mine = dict(node=self.ctx.me.node, computed=self.computed, own_s=self.clock.t, bytes_sent=c.bytes_sent,
+        # With stages every stage of a replica computes its batch: the first counts it
+        mine = dict(node=self.ctx.me.node, computed=self.computed if self.ctx.me.stage == 0 else 0, own_s=self.clock.t, bytes_sent=c.bytes_sent,
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps,
                     compute_s=self.compute_time.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
-                    **self.strategy.figures())
+                    **self.strategy.figures(), **(self.pipeline.figures() if self.pipeline else {}))
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if self.chief:  # declared after the last step
             self._note_lost(tick)
+        if self.pipeline:  # the other stages' final values into the chief's model, for model.safetensors
+            self.pipeline.gather()
         if self.writer:
             self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it
         if not self.chief or self.stopped:  # a stopped run is not over: its checkpoint is its record
@@ -269,5 +289,5 @@ class Tracker:
             "emulated_compute_s": self.cfg.train.emulate_compute_s,
             # The gradient noise scale over the run (noise.py); None where none was measured
             "noise_scale": self.strategy.noise.overall if self.strategy.noise is not None else None,
-            "not_applied": self.not_applied}, self.cfg, self.ctx, self.device, job,
+            "not_applied": self.not_applied, **self._pipeline(job)}, self.cfg, self.ctx, self.device, job,
             self.strategy.stats())

@@ -64,9 +64,11 @@ class Context:
     plan: Plan
     me: Proc
     timeout_s: float = 60.0
-    node_group: object = None     # workers of this node (None when alone)
-    workers_group: object = None  # all workers (None when alone)
-    workers_cpu_group: object = None  # all workers over gloo, for host tensors (workers_group itself on CPU)
+    node_group: object = None     # this node's replicas (None when alone); with stages, of this stage
+    workers_group: object = None  # the replicas that average gradients (None when alone); with stages, of this stage
+    workers_cpu_group: object = None  # every worker over gloo, for host tensors (workers_group itself on CPU)
+    job_group: object = None      # every worker (None when alone): workers_group unless there are stages
+    pipe_group: object = None     # the stages of this replica (None without parallel.stages)
     gone: list[int] = field(default_factory=list)  # ranks seen missing by the heartbeat thread
     requests: int = 0  # liveness.CHECKPOINT | STOP bits asked of this process, not yet acted on
     stop_signal: int = 0  # the number of the signal that asked for the stop (-1: heard of, not which)
@@ -104,7 +106,8 @@ class Context:
         return self.survivable(set(self.dropped).union(*(self.lost_with(r) for r in ranks)))
 
     def node_workers(self) -> list[int]:
-        return [p.rank for p in self.plan.workers if p.node == self.me.node]
+        """The ranks this one averages with inside its node: its replicas, of its stage."""
+        return [p.rank for p in self.plan.workers if p.node == self.me.node and p.stage == self.me.stage]
 
     def lost(self, err: BaseException) -> PeerLost | None:
         """The error naming the missing peers, or None when every peer is alive
@@ -186,21 +189,32 @@ def _groups(cfg: Config, plan: Plan, rdzv: Rendezvous, timeout: datetime.timedel
     bound = torch.device(me.device) if local_backend == "nccl" and me.role == "worker" else None
     # Collective: every rank creates every group, in the same order.
     made = []  # (what, ranks, group)
+
+    def group(what: str, ranks: list[int], backend: str = local_backend):
+        g = dist.new_group(ranks, timeout=timeout, backend=backend,
+                           device_id=bound if me.rank in ranks and backend == local_backend else None)
+        made.append((what, ranks, g))
+        return g if me.rank in ranks and len(ranks) > 1 else None
+
+    staged = plan.stages > 1
     for node in range(plan.worker_nodes):
-        ranks = [p.rank for p in plan.workers if p.node == node]
-        g = dist.new_group(ranks, timeout=timeout, backend=local_backend,
-                           device_id=bound if me.rank in ranks else None)
-        made.append((f"the replicas of {node_name(node)}", ranks, g))
-        if me.node == node and me.role == "worker" and len(ranks) > 1:
-            ctx.node_group = g
+        for s in range(plan.stages):
+            ranks = [p.rank for p in plan.workers if p.node == node and p.stage == s]
+            g = group(f"the replicas of {node_name(node)}" + (f", stage {s + 1}" if staged else ""), ranks)
+            ctx.node_group = g or ctx.node_group
     workers = [p.rank for p in plan.workers]
-    g = dist.new_group(workers, timeout=timeout, backend=local_backend, device_id=bound)
-    made.append(("all workers", workers, g))
-    cpu_g = g if local_backend == "gloo" else dist.new_group(workers, timeout=timeout, backend="gloo")
-    if cpu_g is not g:
-        made.append(("all workers (host tensors)", workers, cpu_g))
-    if me.role == "worker" and len(plan.workers) > 1:
-        ctx.workers_group, ctx.workers_cpu_group = g, cpu_g
+    for s in range(plan.stages if staged else 0):  # the data-parallel group of each stage
+        g = group(f"stage {s + 1} of every replica", [p.rank for p in plan.workers if p.stage == s])
+        ctx.workers_group = g or ctx.workers_group
+    ctx.job_group = group("all workers", workers)
+    if not staged:
+        ctx.workers_group = ctx.job_group
+    ctx.workers_cpu_group = ctx.job_group if local_backend == "gloo" else group("all workers (host tensors)",
+                                                                                   workers, "gloo")
+    for r in range(plan.replicas if staged else 0):  # the stages of each replica, for activations
+        g = group(f"the stages of replica {r}", plan.pipeline_of(next(p for p in plan.workers
+                                                                      if plan.replica_of(p) == r)))
+        ctx.pipe_group = g or ctx.pipe_group
     groups = [g for _, _, g in made]
     check_groups(made, me, timeout)  # still under the start-up timeout: a broken fabric fails now
     # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.

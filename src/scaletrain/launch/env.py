@@ -62,7 +62,7 @@ def plan_for(cfg, here: Facts | None = None, env=os.environ) -> Plan:
         gpus, one_host = gpus_for_plan(cfg.train.device, here), not (in_torchrun(env) or in_slurm_allocation(env))
     else:
         gpus, one_host = (0 if cfg.train.device == "cpu" else c.gpus_per_node), False
-    return make_plan(c, entry(cfg).uses_ps, gpus, one_host)
+    return make_plan(c, entry(cfg).uses_ps, gpus, one_host, cfg.parallel.stages)
 
 
 def script_env(run_dir: Path, resume: bool) -> dict[str, str]:

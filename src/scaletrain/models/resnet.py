@@ -104,6 +104,14 @@ class ResNet(nn.Module):
             if last is not None:
                 nn.init.zeros_(last.weight)
 
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The layers in forward order, where pipeline stages may split it (pipeline.py): the stem, each
+        residual block, the pooled classifier."""
+        return [("stem", nn.Sequential(self.conv1, self.bn1, self.relu, self.maxpool)),
+                *[(f"layer{i}.{j}", b) for i in range(1, self.num_stages + 1)
+                  for j, b in enumerate(getattr(self, f"layer{i}"))],
+                ("fc", nn.Sequential(GlobalMean(), self.fc))]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         for i in range(1, self.num_stages + 1):
@@ -112,6 +120,13 @@ class ResNet(nn.Module):
         # the adaptive-pool CUDA backward, which has no deterministic kernel, is never reached; written
         # out, train.deterministic on a GPU does not rest on that shortcut (tests/test_device.py).
         return self.fc(x.mean((2, 3)))
+
+
+class GlobalMean(nn.Module):
+    """The global average pool as a mean over the pixels (ResNet.forward says why)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))
 
 
 def resnet(name: str, num_classes: int, norm: str = "batch", width: int = 16) -> ResNet:

@@ -84,7 +84,7 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
                          f"{prof.replicas_per_node} replicas")
     e = entry(cfg)
     try:
-        plan = make_plan(c, e.uses_ps)
+        plan = make_plan(c, e.uses_ps, stages=cfg.parallel.stages)
     except PlanError as err:
         raise ModelError(str(err)) from None
     pushers = c.nodes if e.per_node else c.nodes * c.gpus_per_node

@@ -112,8 +112,8 @@ def count_ring(counters, size: int, nbytes: int, what: str = "comm_s") -> None:
 class AllReduce(Strategy):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.world = len(self.ctx.plan.workers)
-        self.group = self.ctx.workers_group  # None when this is the only replica
+        self.world = self.ctx.plan.replicas
+        self.group = self.ctx.workers_group  # None when this is the only replica (with stages: of this stage)
         self.ddp: DistributedDataParallel | None = None
         self.flag = torch.zeros(1)  # on the host: reading it syncs no device
         self.asking = None  # the flag's all-reduce in flight (its work, comm/p2p.py)
@@ -123,7 +123,8 @@ class AllReduce(Strategy):
             return self.model
         if self.ddp is None:
             b = self.cfg.data.batch_size
-            self.noise = NoiseScale(b, b * self.world, self.params[0].device)
+            # Not with stages: a bucket holds a part of the gradient, summed over micro-batches
+            self.noise = None if self.ctx.plan.stages > 1 else NoiseScale(b, b * self.world, self.params[0].device)
             self.ddp = data_parallel(self.model, self.group, self.wire, self.counters, self.noise)
         return self.ddp
 
@@ -140,7 +141,7 @@ class AllReduce(Strategy):
             elif self.wire is None:  # DDP's own all-reduce of the buckets (with a wire type the hook counts)
                 count_ring(self.counters, self.world, self.numel * grads[0].dtype.itemsize)
             asked = self._asked()
-        if self.ddp is not None:  # the hook measured this backward's buckets
+        if self.ddp is not None and self.noise is not None:  # the hook measured this backward's buckets
             self.noise.step()
         self.set_lr(lr)
         self.optimizer.step()

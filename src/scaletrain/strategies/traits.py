@@ -30,15 +30,25 @@ class Traits:
     survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
     resizable: bool = False  # every replica holds the one state: a resume may change the node count
     rounds: bool = False   # all-reduce rounds in the background; replicas never wait for them
+    # Why a replica cannot be split into pipeline stages (parallel.stages); "" where it can
+    no_stages: str = ""
 
+    @property
+    def stages(self) -> bool:
+        return not self.no_stages
+
+
+PS_STAGES = "push one whole model's gradient to the shards, where a stage holds a part"
 
 REGISTRY: dict[str, Traits] = {
     "allreduce": Traits(uses_ps=False, resizable=True),
-    "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True),
-    "sync": Traits(uses_ps=True, server="sync"),
-    "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True),
-    "mixed-async": Traits(uses_ps=True, server="async", survives_loss=True),
-    "async": Traits(uses_ps=True, server="async", per_node=False, survives_loss=True),
+    "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
+                              no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
+                                        "each do by a different count"),
+    "sync": Traits(uses_ps=True, server="sync", no_stages=PS_STAGES),
+    "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True, no_stages=PS_STAGES),
+    "mixed-async": Traits(uses_ps=True, server="async", survives_loss=True, no_stages=PS_STAGES),
+    "async": Traits(uses_ps=True, server="async", per_node=False, survives_loss=True, no_stages=PS_STAGES),
 }
 
 
@@ -52,9 +62,14 @@ def pushers(cfg, plan) -> list[int]:
     return list(plan.leaders) if entry(cfg).per_node else [p.rank for p in plan.workers]
 
 
+def replicas_per_node(cfg) -> int:
+    """Model replicas a worker node holds: its processes over the stages of one replica (parallel.stages)."""
+    return cfg.cluster.gpus_per_node // cfg.parallel.stages
+
+
 def push_images(cfg) -> int:
     """Images behind one push: a node's replicas, or one replica's batch."""
-    return cfg.data.batch_size * (cfg.cluster.gpus_per_node if entry(cfg).per_node else 1)
+    return cfg.data.batch_size * (replicas_per_node(cfg) if entry(cfg).per_node else 1)
 
 
 def images_per_update(cfg) -> int:
@@ -65,8 +80,8 @@ def images_per_update(cfg) -> int:
     if cfg.strategy.emulate_workers:  # one process: a gradient of one batch, or a round of K (emulate.py)
         return cfg.data.batch_size * (cfg.strategy.emulate_workers if e.rounds else 1)
     if not e.uses_ps:
-        return c.nodes * c.gpus_per_node * cfg.data.batch_size
-    return push_images(cfg) * (wait_for(cfg, c.nodes if e.per_node else c.nodes * c.gpus_per_node)
+        return c.nodes * replicas_per_node(cfg) * cfg.data.batch_size
+    return push_images(cfg) * (wait_for(cfg, c.nodes if e.per_node else c.nodes * replicas_per_node(cfg))
                                if e.server == "sync" else 1)
 
 

@@ -1,0 +1,77 @@
+"""Pipeline stages (parallel.stages) with real processes and gloo, against one process on the same global batch."""
+
+import json
+
+import pytest
+import torch
+
+from test_strategies import EXACT, latest_checkpoint, max_diff, run
+
+from scaletrain.cli import main
+
+from conftest import RECIPES
+
+BATCH = 32
+# resnet8 on digits: the layers stem, layer1.0, layer2.0, layer3.0, fc; momentum and decay make the
+# optimizer's state and every stage's decay part of what must match
+SETUP = [*EXACT, "model.name=resnet8", "optim.momentum=0.9", "parallel.microbatches=4"]
+
+
+def staged(stages, replicas, *more):
+    return [f"parallel.stages={stages}", f"cluster.gpus_per_node={stages * replicas}",
+            f"data.batch_size={BATCH // replicas}", *more]
+
+
+def test_stages_equal_one_process(tmp_path):
+    """S = 2 and 4 stages, GPipe and 1F1B, one and two replicas: the weights of one process after 5 steps."""
+    _, single = run(tmp_path, "single", *SETUP, f"data.batch_size={BATCH}")
+    s2, two = run(tmp_path, "s2", *SETUP, *staged(2, 1, "parallel.schedule=gpipe"))
+    _, four = run(tmp_path, "s4", *SETUP, *staged(4, 1))
+    s22, two_by_two = run(tmp_path, "s2r2", *SETUP, *staged(2, 2))
+    assert set(two) == set(single)  # one logical model: the whole network's names
+    for got in (two, four, two_by_two):
+        assert max_diff(single, got) <= 1e-5
+    assert s2["stages"] == 2 and s2["replicas"] == 1 and s22["replicas"] == 2 and s22["images_applied"] == 5 * BATCH
+    stages = s22["pipeline"]["stages"]
+    assert [s["first"] for s in stages][0] == "stem" and stages[-1]["last"] == "fc"
+    assert all(0 <= s["idle_fraction"] < 1 for s in stages)
+    # stage 1 sends each micro-batch's activations, stage 2 their gradients back: the same bytes
+    assert stages[0]["activation_bytes_per_step"] == stages[1]["activation_bytes_per_step"] > 0
+    # and the comparison can fail: a sixth step is another model
+    _, longer = run(tmp_path, "longer", *SETUP, f"data.batch_size={BATCH}", "train.steps=6")
+    assert max_diff(single, longer) > 1e-4
+
+
+def test_stages_resume_is_exact(tmp_path):
+    """A checkpoint of staged replicas holds one model and one optimizer state; resumed, the run goes on as
+    one that never stopped (with BatchNorm: each replica's statistics come back to each stage)."""
+    setup = [*SETUP, "model.norm=batch", *staged(2, 2), "train.checkpoint_every=3"]
+    _, straight = run(tmp_path, "straight", *setup, "train.steps=6")
+    run(tmp_path, "split", *setup, "train.steps=3")
+    ckpt = latest_checkpoint(tmp_path / "split")
+    from scaletrain.models.resnet import resnet
+    assert set(ckpt["model"]) == set(resnet("resnet8", 10, "batch").state_dict())  # the whole network's names
+    params = len(ckpt["optimizer"]["param_groups"][0]["params"])
+    assert sorted(ckpt["optimizer"]["state"]) == list(range(params))  # every stage's momentum
+    assert len(ckpt["replica_buffers"]) == 2 and len(ckpt["replica_buffers"][0]) == 2  # [stage][replica]
+    s, resumed = run(tmp_path, "split", *setup, "train.steps=6", resume=True)
+    assert s["start_step"] == 3 and s["steps"] == 6
+    assert max_diff(straight, resumed) <= 1e-5
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["parallel.stages=2", "cluster.gpus_per_node=3"], "cluster.gpus_per_node = 3: .*multiple of 2"),
+    (["parallel.stages=2", "cluster.gpus_per_node=2", "strategy.name=async-allreduce"],
+     "parallel.stages = 2: composes with strategy.name = allreduce; not 'async-allreduce'"),
+    (["parallel.stages=2", "cluster.gpus_per_node=2", "parallel.split=['layer9.0']"],
+     "parallel.split: no layer 'layer9.0'; the layers are stem, layer1.0"),
+])
+def test_bad_stage_settings_fail_in_one_line(tmp_path, capfd, overrides, pattern):
+    args = ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(tmp_path / "r"), "--quiet",
+            "--set", "data.workers=0", "--set", "model.name=resnet8"]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) != 0
+    err = capfd.readouterr().err.strip().splitlines()
+    assert any(__import__("re").search(pattern, line) for line in err), err
+    assert not any("Traceback" in line for line in err)
