@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -60,6 +61,14 @@ def pinned(device: torch.device) -> bool:
     and without holding the host per tensor. Page-locked memory cannot be swapped out, so not for
     host tensors, which need no such copy."""
     return device.type == "cuda"
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes at this process's peak: tensors the caching allocator held on a GPU, else the process's
+    resident set (the host's figure: libraries and loaders included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts it in KiB
 
 
 class DeviceTimer:

@@ -23,7 +23,6 @@ stage's values into it.
 
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass
 
@@ -209,7 +208,7 @@ class Pipeline:
     def figures(self) -> dict:
         """This process's pipeline figures for the job's summary (stats.FIELDS)."""
         return {"stage": self.stage, "busy_s": self.busy.seconds(), "pipe_s": self.total.seconds(),
-                "act_sent": self.sent, "peak_mem": peak_memory(self.device)}
+                "act_sent": self.sent}
 
     def describe(self) -> list[dict]:
         """The split, for the plan and the run's summary: each stage's layers, measured time and parameters."""
@@ -354,14 +353,6 @@ class Pipeline:
         mine = self.index[self.stage]
         return {"state": {j: whole["state"][g] for j, g in enumerate(mine) if g in whole["state"]},
                 "param_groups": [{**whole["param_groups"][0], "params": list(range(len(mine)))}]}
-
-
-def peak_memory(device: torch.device) -> int:
-    """Bytes at this process's peak: tensors the caching allocator held on a GPU, else the process's
-    resident set (the host's figure: libraries and loaders included)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts it in KiB
 
 
 def _nbytes(n: int, shape: tuple[int, ...], dtype: torch.dtype) -> int:

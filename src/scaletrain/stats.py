@@ -71,7 +71,7 @@ def job_figures(ctx, mine: dict) -> dict:
 
 
 def single_figures(mine: dict) -> dict:
-    return {"images_computed": mine["computed"],
+    return {"images_computed": mine["computed"], "peak_memory_bytes": mine["peak_mem"],
             "time_split_s": {k: mine[k] for k in ("compute_s", "intra_s", "comm_s")}}
 
 
@@ -90,6 +90,7 @@ def summarize(rows: list[dict], nodes: int) -> dict:
     pushers = [r for r in workers if r["pusher"]]
     out = {
         "images_computed": int(sum(r["computed"] for r in workers)),  # dropped gradients' images included
+        "peak_memory_bytes": int(max(r["peak_mem"] for r in workers)),  # the largest worker's (metrics.peak_memory)
         "time_split_s": {k: sum(r[k] for r in workers) / len(workers) for k in ("compute_s", "intra_s", "comm_s")},
         "bytes_per_step": {
             "worker_sent": _mean(r["bytes_sent"] / max(r["steps"], 1) for r in workers),

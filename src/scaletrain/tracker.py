@@ -26,7 +26,7 @@ from . import checkpoint, stats
 from .comm.liveness import CHECKPOINT, STOP
 from .data import Batch, DataError, test_loader
 from .device import not_applied
-from .metrics import DeviceTimer, JobClock, Progress, Recorder, sync
+from .metrics import DeviceTimer, JobClock, Progress, Recorder, peak_memory, sync
 from .replicas import evaluate, replica_buffers
 from .optim import state_keys
 from .resume import rng_state
@@ -65,6 +65,7 @@ class Tracker:
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
         self.computed, self.compute_time, self.last_loss = 0, DeviceTimer(self.device), float("nan")
+        self.peak = 0  # bytes: this process's peak memory while it trained (metrics.peak_memory)
         self.stopped = 0  # the signal that stopped the job before its end (comm.end.stopped), 0 while it runs
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
         self.slow_input = 0  # log windows in a row the chief waited for data over 10% (None: warned)
@@ -87,6 +88,9 @@ class Tracker:
 
     def after_step(self, before: Tick, tick: Tick, loss: torch.Tensor, n: int, lr: float) -> None:
         self.computed += n
+        # The training's peak memory, read before a sync point's checkpoint adds its serialised copy (a
+        # getrusage call, or the allocator's counter: no host-device sync)
+        self.peak = peak_memory(self.device)
         self.losses[:, 0] += loss
         self.losses[:, 1] += 1
         if tick.synced or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
@@ -266,6 +270,7 @@ class Tracker:
         mine = dict(node=self.ctx.me.node, computed=self.computed if self.ctx.me.stage == 0 else 0, own_s=self.clock.t, bytes_sent=c.bytes_sent,
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps,
                     compute_s=self.compute_time.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
+                    peak_mem=self.peak,
                     **self.strategy.figures(), **(self.pipeline.figures() if self.pipeline else {}))
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if self.chief:  # declared after the last step
