@@ -582,3 +582,40 @@ def test_a_slowed_node_sleeps_without_holding_a_core():
     # the job's images are those of the applied gradients (as a run's images_applied), not of every push
     pushed = st.pushers * st.pusher_replicas * p.batch_per_replica / backup.step_s
     assert backup.images_per_sec == pytest.approx(pushed * (1 - backup.dropped_fraction), rel=0.03)
+
+
+# --- pipeline stages ----------------------------------------------------------------------------
+
+def test_pipeline_stages_by_hand():
+    """resnet8 at 16 px in 2 stages split by parameters: its classifier of 1,200 classes (78k parameters) is a
+    stage, after layer3.0's 64 channels of 4 x 4 (4,096 bytes an image). 2 replicas of 2 stages, 4 micro-batches of 8 images: slots of 1.0 x 8/32 / 2 s,
+    5 of them (the bubble is the one more), each micro-batch's activations there and back, then each stage's
+    half of the gradient in a ring of 2, and half the optimizer."""
+    cfg = cfg_of(gpus=4, parallel__stages=2, parallel__microbatches=4)
+    st = make_setup(cfg, TOY)
+    assert (st.stages, st.replicas, st.boundary_bytes, st.held) == (2, 2, 4096, 2)
+    est, method = estimate(TOY, st)
+    slot, act = 0.125, 2 * (1e-3 + 8 * 4096 / 1e7)
+    ring = 2 * (1e-3 + G / 2 / 2 / 1e7)
+    assert method == "closed form" and est.parts["bubble"] == pytest.approx(slot)
+    assert est.step_s == pytest.approx(4 * slot + slot + 5 * act + ring + 0.005)
+    assert est.images_per_step == 64
+    row = predict(cfg, TOY)
+    assert row["replicas"] == 2 and row["stages"] == 2 and "of 2 stages" in __import__(
+        "scaletrain.perfmodel.scaling", fromlist=["setup"]).setup(row)
+
+
+def test_stages_fit_what_one_device_cannot_and_recommend_says_so():
+    """1 GB of weights and 0.1 GB an image on 2 GB devices: 32 images need 4.2 GB on one; in 2 stages of 1F1B
+    (4 micro-batches, the first stage holding 2) 0.5 + 0.5 x 3.2 / 2 = 1.3 GB; GPipe holds all 4: 2.1 GB."""
+    small = replace(TOY, device_memory=2_000_000_000, memory_base=1_000_000_000, memory_per_image=100_000_000)
+    with pytest.raises(ModelError, match="batch 32 per replica needs 4.20 GB"):
+        predict(cfg_of(gpus=4), small)
+    row = predict(cfg_of(gpus=4, parallel__stages=2), small)
+    assert row["stage_memory"] == 1_300_000_000
+    with pytest.raises(ModelError, match="in 2 stages needs 2.10 GB a stage"):
+        predict(cfg_of(gpus=4, parallel__stages=2, parallel__schedule="gpipe"), small)
+    best = recommend(cfg_of(gpus=4), small, 2, progress=False)[0]
+    assert best["best"]["stages"] == 2 and best["best"]["strategy"] == "allreduce"
+    assert "2 stages a replica: 32 images need 4.2 GB on one device > 2.0 GB" in best["batch_reason"]
+    assert recommend(cfg_of(gpus=4), TOY, 2, progress=False)[0]["best"]["stages"] == 1  # no limit: no bubble

@@ -118,6 +118,36 @@ def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
     return est
 
 
+def pipeline_allreduce(p: Profile, st: Setup) -> Estimate:
+    """All-reduce of replicas split into st.stages pipeline stages (parallel.stages), M micro-batches.
+
+    A stage computes 1/S of a replica's forward and backward of each micro-batch (a split that
+    balances compute: what parallel.balance = time aims at), compute_at(batch / M) / S, and sends
+    each micro-batch's activations to the next stage and their gradient back, st.boundary_bytes an
+    image at intra_bandwidth. A schedule (GPipe or 1F1B alike) takes M + S - 1 such slots: the
+    S - 1 more are the bubble, each stage idle for (S - 1) / (M + S - 1) of them. Then each stage's
+    replicas all-reduce its 1/S of the gradient, every stage at once: inside a node each ring on
+    its own devices; across nodes the S rings share the node's link, which carries the whole
+    gradient's bytes, as one ring would. Each stage steps its 1/S of the optimizer."""
+    s, m = st.stages, st.microbatches
+    mb = p.batch_per_replica / m
+    slot = (p.compute_base_s + (p.compute_s - p.compute_base_s) * mb / p.batch_per_replica) / s
+    act = 2 * (p.intra_latency + mb * st.boundary_bytes / p.intra_bandwidth)  # one way, then back
+    n = st.nodes * st.replicas
+    if st.nodes == 1 or p.shared_cores:
+        comm = ring_allreduce_s(n, p.gradient_bytes / s, p.intra_bandwidth, p.intra_latency)
+    else:
+        comm = ring_allreduce_s(n, p.gradient_bytes, p.net_bandwidth, p.net_latency)
+    parts = {"compute": m * slot, "bubble": (s - 1) * slot, "activations": (m + s - 1) * act,
+             "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s / s}
+    step = max(sum(parts.values()), loader_floor(p, st))
+    moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
+    links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}
+    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links)
+    est.link_util = max((b / p.net_bandwidth / step for b in links.values()), default=0.0)
+    return est
+
+
 def async_allreduce(p: Profile, st: Setup) -> Estimate:
     """Async-allreduce: each replica computes, adds its gradient into its sum (one pass at
     ps_accumulate_rate) and steps on; one ring at a time averages the sums in the background.

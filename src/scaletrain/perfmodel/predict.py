@@ -22,7 +22,7 @@ from . import scaling
 from ..config import Config
 from ..strategies import images_per_update
 from . import costs
-from .profile import Profile, at_batch
+from .profile import Profile, at_batch, memory_at
 from .setup import Setup, make_setup
 from .simulate import simulate
 
@@ -51,6 +51,8 @@ def estimate(p: Profile, st: Setup, spread: float = 0.0, seed: int = 0) -> tuple
 def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Estimate, str]:
     if st.rounds:
         return _rounds(p, st, spread, seed), "simulation"
+    if st.stages > 1:
+        return costs.pipeline_allreduce(p, st), "closed form"
     if not st.uses_ps:
         n = st.nodes * st.replicas
         slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
@@ -94,7 +96,8 @@ def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float
              **({"input": est.parts["input"] / est.step_s} if "input" in est.parts else {}),
              "intra-node": est.parts.get("intra-node", 0.0) / est.step_s,
              "PS network" if uses_ps else "network": est.link_util,
-             "PS CPU": est.ps_cpu_util, "straggler": est.straggler_s / est.step_s}
+             "PS CPU": est.ps_cpu_util, "straggler": est.straggler_s / est.step_s,
+             **{k: est.parts[k] / est.step_s for k in ("bubble", "activations") if k in est.parts}}
     return max(share, key=share.get), share
 
 
@@ -106,8 +109,8 @@ def single_node(cfg: Config) -> Config:
 def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """One row of predicted figures, keyed like a bench row where the meaning is the same, for
     the recipe's batch per replica (raises ModelError when it does not fit the device)."""
-    p = at_batch(p, cfg.data.batch_size)
     st = make_setup(cfg, p)
+    p = at_batch(p, cfg.data.batch_size, st.stages, st.held / st.microbatches)
     est, method = estimate(p, st, spread, seed)
     # The baseline on the same hardware: its replicas are as uneven as this configuration's.
     base, _ = estimate(p, make_setup(single_node(cfg), p), spread, seed)
@@ -116,7 +119,10 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
     c = cfg.cluster
     return {"strategy": cfg.strategy.name, "nodes": c.nodes, "nodes_total": st.nodes_total,
             "gpus_per_node": c.gpus_per_node, "num_ps": c.num_ps,
-            "ps_placement": c.ps_placement if c.num_ps else None, "replicas": c.nodes * c.gpus_per_node,
+            "ps_placement": c.ps_placement if c.num_ps else None, "replicas": c.nodes * st.replicas,
+            "stages": st.stages, "microbatches": st.microbatches if st.stages > 1 else None,
+            "stage_memory": memory_at(p, p.batch_per_replica, st.stages, st.held / st.microbatches)
+            if st.stages > 1 else None,
             "backup_workers": cfg.strategy.backup_workers, "batch_per_replica": p.batch_per_replica,
             "update_batch": images_per_update(cfg), "spread": spread,
             "images_per_sec": est.images_per_sec, "step_s": est.step_s, "speedup": scaled["speedup"],

@@ -114,13 +114,19 @@ def compute_at(p: Profile, batch: int) -> float:
     return p.compute_base_s + (p.compute_s - p.compute_base_s) * batch / p.batch_per_replica
 
 
-def memory_at(p: Profile, batch: int) -> int:
-    """Bytes one replica's device needs to train `batch` images a step."""
-    return p.memory_base + batch * p.memory_per_image
+def memory_at(p: Profile, batch: int, stages: int = 1, held: float | None = None) -> int:
+    """Bytes one replica's device needs to train `batch` images a step; with pipeline stages, one
+    stage's device: a 1/stages share of memory_base (weights, gradients, optimizer state, split
+    evenly), and the activations of the fraction `held` of the batch, of a 1/stages share of the
+    layers: the micro-batches it holds at once over their count (GPipe: all, 1F1B: at most `stages`
+    of them, as the first stage holds)."""
+    if stages == 1:
+        return p.memory_base + batch * p.memory_per_image
+    return int(p.memory_base / stages + (held if held is not None else 1.0) * batch * p.memory_per_image / stages)
 
 
-def fits(p: Profile, batch: int) -> bool:
-    return not p.device_memory or memory_at(p, batch) <= p.device_memory
+def fits(p: Profile, batch: int, stages: int = 1, held: float | None = None) -> bool:
+    return not p.device_memory or memory_at(p, batch, stages, held) <= p.device_memory
 
 
 def largest_batch(p: Profile) -> int | None:
@@ -138,14 +144,18 @@ def memory_text(p: Profile, batch: int) -> str:
             f"device_memory {p.device_memory / 1e9:.2f} GB")
 
 
-def at_batch(p: Profile, batch: int) -> Profile:
+def at_batch(p: Profile, batch: int, stages: int = 1, held: float | None = None) -> Profile:
     """The profile for `batch` images per replica: batch_per_replica = batch and compute_s at
     that batch (compute_at); the other figures do not depend on the batch, or scale with
-    batch_per_replica themselves (input). Raises ModelError when the batch does not fit."""
+    batch_per_replica themselves (input). Raises ModelError when the batch does not fit (with
+    pipeline stages, one stage's share: memory_at)."""
     if batch < 1:
         raise ModelError(f"batch {batch} per replica: must be >= 1")
-    if not fits(p, batch):
-        raise ModelError(memory_text(p, batch))
+    if not fits(p, batch, stages, held):
+        raise ModelError(memory_text(p, batch) if stages == 1 else
+                         f"batch {batch} per replica in {stages} stages needs "
+                         f"{memory_at(p, batch, stages, held) / 1e9:.2f} GB a stage > device_memory "
+                         f"{p.device_memory / 1e9:.2f} GB")
     if batch == p.batch_per_replica:
         return p  # the measured point itself, not a rounding of it
     return replace(p, batch_per_replica=batch, compute_s=compute_at(p, batch))

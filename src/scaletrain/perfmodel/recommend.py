@@ -55,13 +55,28 @@ def batch_candidates(recipe: int, max_batch: int, largest: int | None) -> list[i
     return sorted(set(out))
 
 
+def stages_to_fit(cfg: Config, p: Profile, batch: int) -> int | None:
+    """The pipeline stages a replica needs for `batch` images to fit its devices' memory: 1 when one
+    device holds them, else the fewest that divide cluster.gpus_per_node and the batch into
+    parallel.microbatches whose stages each fit (memory_at); None when none does. More stages than
+    needed only add their bubble and activation transfers."""
+    par, g = cfg.parallel, cfg.cluster.gpus_per_node
+    if fits(p, batch):
+        return 1
+    for s in range(2, g + 1):
+        held = (par.microbatches if par.schedule == "gpipe" else min(par.microbatches, s)) / par.microbatches
+        if g % s == 0 and batch % par.microbatches == 0 and fits(p, batch, s, held):
+            return s
+    return None
+
+
 def candidates(cfg: Config, total: int) -> list[Config]:
     """Every strategy and PS shape on `total` nodes. Async-allreduce is left out: its updates
     average as many gradients as its rounds last steps, so its images per second buy updates of
     another size than the others', which throughput alone cannot weigh."""
     out = []
     for name, e in REGISTRY.items():
-        if e.rounds:
+        if e.rounds or (cfg.parallel.stages > 1 and e.no_stages):
             continue
         shapes = [(total, 0, "alongside")] if not e.uses_ps else \
             [(total, p, "alongside") for p in ps_counts(total)] + \
@@ -121,13 +136,14 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
         raise ModelError("--objective time-to-accuracy needs --learning RUN_DIR and --until accuracy=A or loss=L")
     recipe = cfg.data.batch_size
     batches = sorted(set(batches or [recipe]))
-    unfit = [b for b in batches if not fits(p, b)]
+    stages = {b: stages_to_fit(cfg, p, b) for b in batches}  # a batch one device cannot hold may fit in stages
+    unfit = [b for b in batches if stages[b] is None]
     tried = [b for b in batches if b not in unfit]
     out = []
     for total in node_counts(max_nodes):
         rows = []
         for b in tried:
-            for c in candidates(cfg.replace(**{"data.batch_size": b}), total):
+            for c in candidates(cfg.replace(**{"data.batch_size": b, "parallel.stages": stages[b]}), total):
                 try:
                     row = predict(c, p, spread)
                 except ModelError:
@@ -157,6 +173,9 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
     """Why the chosen batch per replica: its gain over the recipe's, and what stops the next
     larger one ('+18% throughput over the recipe's 32; 128 does not fit (13.8 GB > 12.0 GB)')."""
     b, said = best["batch_per_replica"], []
+    if best.get("stages", 1) > 1:
+        said.append(f"{best['stages']} stages a replica: {b} images need {memory_at(p, b) / 1e9:.1f} GB on one device "
+                    f"> {p.device_memory / 1e9:.1f} GB; a stage needs {best['stage_memory'] / 1e9:.1f} GB")
     if b != recipe:
         if recipe in unfit:
             said.append(f"the recipe's {recipe} does not fit ({memory_at(p, recipe) / 1e9:.1f} GB > "

@@ -119,8 +119,8 @@ def setup(row: dict[str, Any]) -> str:
     where = "" if not ps else f" + {ps} {'dedicated ' if row.get('ps_placement') == 'dedicated' else ''}PS" + \
         ("" if row.get("ps_placement") == "dedicated" else " alongside")
     data = f", {row['data']} data" if row.get("data") not in (None, "real") else ""
-    g = row.get("gpus_per_node") or 1
-    per = f" x {g} replicas" if g > 1 else ""
+    g, s = row.get("gpus_per_node") or 1, row.get("stages") or 1
+    per = (f" x {g // s} replicas" if g // s > 1 else "") + (f" of {s} stages" if s > 1 else "")
     emulated = f", emulating {row['emulated_workers']} workers" if row.get("emulated_workers") else ""
     emulated += emulated_compute(row)
     other = "".join(f", {k}={v}" for k, v in row.get("cell", {}).items()  # the grid's other keys, but

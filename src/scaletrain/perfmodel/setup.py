@@ -14,6 +14,7 @@ import torch
 
 from ..config import Config
 from ..errors import ModelError, ModelNameError, PlanError
+from .. import pipeline
 from ..models import build_model
 from ..plan import make_plan
 from ..ps.sharding import make_layout
@@ -36,6 +37,10 @@ class Setup:
     slow_delay_s: float
     loaders: int                 # background loader processes per replica (0: the training process loads)
     rounds: bool = False         # async-allreduce: all-reduce rounds in the background
+    stages: int = 1              # pipeline stages of a replica (parallel.stages), one device each
+    microbatches: int = 1        # parallel.microbatches
+    held: int = 1                # micro-batches whose activations a stage holds at most (GPipe: all; 1F1B: S)
+    boundary_bytes: float = 0.0  # bytes of activations one image sends across the widest split point
 
     @property
     def pushers(self) -> int:
@@ -72,6 +77,24 @@ def param_numels(model_cfg) -> list[int]:
     return [q.numel() for q in model.parameters()]
 
 
+def boundary_bytes(cfg: Config) -> float:
+    """Bytes of activations one image sends across the widest of the split points that balance the
+    network's parameters over parallel.stages (parallel.split's where it names them): the layers'
+    output shapes from a forward on the meta device (no memory, no compute), in fp32, or bf16 at
+    train.precision = bf16 (on a GPU)."""
+    with torch.device("meta"):
+        model = build_model(cfg.model, weights=False)
+        named = pipeline.layers(model)
+        h, sizes = torch.empty(1, 3, cfg.data.image_size, cfg.data.image_size), []
+        for _, m in named:
+            h = m(h)
+            sizes.append(h.numel())
+    par, names = cfg.parallel, [n for n, _ in named]
+    starts = pipeline.named_starts(names, par.split) if par.split else \
+        pipeline.balance([float(sum(q.numel() for q in m.parameters())) for _, m in named], par.stages)
+    return max(sizes[i - 1] for i in starts[1:]) * (2 if cfg.train.precision == "bf16" else 4)
+
+
 def make_setup(cfg: Config, prof: Profile) -> Setup:
     c, s = cfg.cluster, cfg.strategy
     if s.emulate_workers:
@@ -82,18 +105,25 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
     if c.gpus_per_node > prof.replicas_per_node:
         raise ModelError(f"cluster.gpus_per_node = {c.gpus_per_node}: the profile's nodes offer "
                          f"{prof.replicas_per_node} replicas")
+    par = cfg.parallel
+    if par.stages > 1 and (e := entry(cfg)).no_stages:
+        raise ModelError(f"parallel.stages = {par.stages}: not with strategy.name = {cfg.strategy.name!r}")
     e = entry(cfg)
     try:
         plan = make_plan(c, e.uses_ps, stages=cfg.parallel.stages)
     except PlanError as err:
         raise ModelError(str(err)) from None
     pushers = c.nodes if e.per_node else c.nodes * c.gpus_per_node
-    return Setup(nodes=c.nodes, nodes_total=plan.nodes_total, replicas=c.gpus_per_node, uses_ps=e.uses_ps,
+    staged = {} if par.stages == 1 else dict(
+        stages=par.stages, microbatches=par.microbatches,
+        held=par.microbatches if par.schedule == "gpipe" else min(par.microbatches, par.stages),
+        boundary_bytes=boundary_bytes(cfg))
+    return Setup(nodes=c.nodes, nodes_total=plan.nodes_total, replicas=c.gpus_per_node // par.stages, uses_ps=e.uses_ps,
                  sync=e.server == "sync", per_node=e.per_node,
                  wait_for=wait_for(cfg, pushers) if e.uses_ps else 0,
                  shard_bytes=shard_bytes(cfg, prof.gradient_bytes) if e.uses_ps else (),
                  ps_nodes=tuple(p.node for p in plan.ps), slow_node=s.slow_node, slow_delay_s=s.slow_delay_s,
-                 loaders=cfg.data.workers, rounds=e.rounds)
+                 loaders=cfg.data.workers, rounds=e.rounds, **staged)
 
 
 def check_workload(cfg: Config, prof: Profile, path: str) -> None:
