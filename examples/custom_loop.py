@@ -4,6 +4,8 @@
         --set cluster.gpus_per_node=2 --set cluster.num_ps=1        # starts the job's 5 processes here
     torchrun --standalone --nproc-per-node=2 examples/custom_loop.py --recipe recipes/digits.toml \
         --set cluster.gpus_per_node=2 --run-dir runs/mine           # or under torchrun, or srun
+    python examples/custom_loop.py --recipe recipes/digits.toml --set parallel.stages=2 \
+        --set cluster.gpus_per_node=4                               # 2 replicas, each split in 2 stages
 """
 
 import argparse
@@ -25,8 +27,11 @@ def main() -> None:
         model, optimizer = job.wrap(network)  # the strategy around it; resumed from the run's checkpoint
         for x, y in job.batches():  # this replica's share of each global batch, until the job's target
             optimizer.zero_grad()
-            loss = job.loss(model(x), y)  # the recipe's: cross-entropy and weight decay; or F.cross_entropy
-            loss.backward()
+            if job.stages > 1:  # parallel.stages: the pipeline's schedule runs the forward and backward
+                loss = job.forward_backward(x, y)
+            else:
+                loss = job.loss(model(x), y)  # the recipe's: cross-entropy and weight decay; or F.cross_entropy
+                loss.backward()
             job.step(loss)  # averaging or the parameter servers, the optimizer, evaluation, checkpoints
     figures = job.figures()  # summary.json's figures, on the chief; {} on the other workers
     if figures:

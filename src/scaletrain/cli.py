@@ -19,6 +19,7 @@ from .launch.join import exit_now
 from .models import check_network
 from .perfmodel import commands
 from .perfmodel.recommend import OBJECTIVES
+from .pipeline import planned_split
 from .plan import format_table, node_line
 from .run import run_dir_for, run_training
 from .rundir import prepare_run_dir
@@ -223,6 +224,8 @@ def _plan(args, cfg, run_dir: Path) -> int:
     c = cfg.cluster
     if args.format == "table":
         print(format_table(plan, c.master_addr, c.master_port))
+        if cfg.parallel.stages > 1:
+            print("\n" + planned_split(cfg))
     elif args.format == "json":
         print(json.dumps({"nodes_total": plan.nodes_total, "world_size": plan.world_size,
                           "nodes": [node_line(plan, n) for n in range(plan.nodes_total)],

@@ -262,6 +262,12 @@ class Job:
         finally:
             del loader  # stops its worker processes
 
+    @property
+    def stages(self) -> int:
+        """The pipeline stages a replica is split into (parallel.stages): above 1, a loop's forward and backward
+        are job.forward_backward's."""
+        return self.cfg.parallel.stages
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The batch's forward and backward, as the built-in loop runs them: its loss (job.loss; on the device,
         no host sync), with .grad holding the gradient. With parallel.stages > 1 they are the pipeline

@@ -90,6 +90,27 @@ def named_starts(names: list[str], split: list[str]) -> list[int]:
     return starts
 
 
+def planned_split(cfg) -> str:
+    """The layers of the recipe's network and the stages parallel.split or a split by parameters makes of
+    them, for `scaletrain plan` (a run with parallel.balance = time splits by the times it measures, and
+    its summary.json says where). The network is built on the meta device: no memory, no compute."""
+    from .models import build_model  # function-local: the layer below this one builds the network
+
+    with torch.device("meta"):
+        named = _merge_in_place(layers(build_model(cfg.model, weights=False)))
+    names, params = [n for n, _ in named], [sum(q.numel() for q in m.parameters()) for _, m in named]
+    p = cfg.parallel
+    starts = named_starts(names, p.split) if p.split else balance([float(n) for n in params], p.stages)
+    how = "parallel.split" if p.split else "parameters" + (
+        " (the run splits by the layers' measured times, parallel.balance = time: its summary.json says where)"
+        if p.balance == "time" else "")
+    lines = [f"{p.stages} stages, by {how}; {p.microbatches} micro-batches a batch, {p.schedule}:"]
+    for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(names)])):
+        lines.append(f"  stage {k + 1}: {names[a]} .. {names[b - 1]} ({b - a} layers, {sum(params[a:b]):,} parameters)")
+    lines.append(f"layers (parallel.split names where stages 2.. begin): {', '.join(names)}")
+    return "\n".join(lines)
+
+
 @dataclass
 class Profile:
     """What each layer costs, measured on one micro-batch."""

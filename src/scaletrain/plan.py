@@ -196,11 +196,12 @@ def format_table(plan: Plan, addr: str = "", port: int = 0, hosts: list[str] | N
     lines = [f"{plan.nodes_total} node{'s' if plan.nodes_total > 1 else ''} "
              f"({plan.worker_nodes} with workers, {n_ps_nodes} PS-only), {plan.world_size} processes"]
     lines += [node_line(plan, n) for n in range(plan.nodes_total)]
-    lines += ["", f"{'node':<8} {'host':<12} {'rank':>4} {'local':>5}  {'role':<8} {'GPU':<5} port"]
+    w = max(8, *(len(_role(plan, p)) for p in plan.procs))
+    lines += ["", f"{'node':<8} {'host':<12} {'rank':>4} {'local':>5}  {'role':<{w}} {'GPU':<5} port"]
     for p in plan.procs:
         host = hosts[p.node] if hosts else "-"
         gpu = p.device[5:] if p.device.startswith("cuda:") else "none"
         listens = f"{port or 'any free'} (rendezvous{' at ' + addr if addr else ''})" if p.rank == 0 else "-"
-        lines.append(f"{p.node + 1:<8} {host:<12} {p.rank:>4} {p.local_rank:>5}  {_role(plan, p):<8} "
+        lines.append(f"{p.node + 1:<8} {host:<12} {p.rank:>4} {p.local_rank:>5}  {_role(plan, p):<{w}} "
                      f"{gpu:<5} {listens}")
     return "\n".join(lines)

@@ -75,3 +75,29 @@ def test_bad_stage_settings_fail_in_one_line(tmp_path, capfd, overrides, pattern
     err = capfd.readouterr().err.strip().splitlines()
     assert any(__import__("re").search(pattern, line) for line in err), err
     assert not any("Traceback" in line for line in err)
+
+
+def test_a_loop_of_ones_own_with_stages(tmp_path):
+    """examples/custom_loop.py with 2 replicas of 2 stages, started by the script itself (the local launcher):
+    its loop gives each batch to job.forward_backward, and calling the wrapped module is refused in one line."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    run_dir = tmp_path / "mine"
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--recipe",
+                           str(RECIPES / "digits.toml"), "--run-dir", str(run_dir),
+                           *[a for o in ("parallel.stages=2", "cluster.gpus_per_node=4", "train.steps=30",
+                                         "data.workers=0", "model.name=resnet8") for a in ("--set", o)]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert (s["stages"], s["replicas"], s["steps"], s["images_applied"]) == (2, 2, 30, 30 * 2 * 32)
+    assert s["test_accuracy"] > 0.15  # above chance (10 classes): it learns
+
+
+def test_the_wrapped_module_of_stages_is_not_called():
+    from scaletrain.errors import RunError
+    from scaletrain.pipeline import Stages
+    with pytest.raises(RunError, match=r"write loss = job.forward_backward\(x, y\)"):
+        Stages(torch.nn.Linear(2, 2))(torch.zeros(1, 2))
