@@ -413,6 +413,9 @@ def _check_stages(cfg: Config) -> None:
     if p.split and len(p.split) != p.stages - 1:
         raise ConfigError(f"parallel.split = {p.split!r}: names the first layer of stages 2..{p.stages}, "
                           f"{p.stages - 1} names")
+    if REGISTRY[cfg.strategy.name].uses_ps and REGISTRY[cfg.strategy.name].stages and c.num_ps % p.stages:
+        raise ConfigError(f"cluster.num_ps = {c.num_ps}: each of parallel.stages = {p.stages} has shards of its own "
+                          f"(shard k holds stage k mod {p.stages}'s parameters); set it to a multiple of {p.stages}")
     if not REGISTRY[cfg.strategy.name].stages:
         names = " or ".join(n for n, e in REGISTRY.items() if e.stages)
         raise ConfigError(f"parallel.stages = {p.stages}: composes with strategy.name = {names}; not "

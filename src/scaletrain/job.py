@@ -192,6 +192,8 @@ class Job:
             (self.run_dir / "config.toml").write_text(dump_toml(cfg))
             (self.run_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
         self.strategy = build_strategy(cfg, ctx, net, opt, sched)
+        if self.pipeline:
+            self.strategy.set_stages([[q.numel() for q in part.parameters()] for part in self.pipeline.parts])
         if resumed is not None:
             self.strategy.restore(resumed.state)
             saved = resumed.state.get("replica_buffers")

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .compute import autocast, grads_to_none
 from .errors import ConfigError, RunError
 from .metrics import DeviceTimer, sync
+from .ps.protocol import TAG_SPLIT
 
 
 def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -74,6 +75,12 @@ def balance(costs: list[float], stages: int) -> list[int]:
         i = cut[k][i]
         starts.append(i)
     return starts[::-1]
+
+
+def stage_module(model: nn.Module, starts: list[int], stage: int) -> nn.Module:
+    """The layers of one stage of a split (starts: the first layer of each stage), as one module."""
+    mods = [m for _, m in _merge_in_place(layers(model))]
+    return nn.Sequential(*mods[starts[stage]:(starts + [len(mods)])[stage + 1]])
 
 
 def named_starts(names: list[str], split: list[str]) -> list[int]:
@@ -211,6 +218,9 @@ class Pipeline:
             balance(prof.seconds if timed else [float(n) for n in prof.params], self.S)
         ends = self.starts[1:] + [len(mods)]
         self.parts = [nn.Sequential(*mods[a:b]) for a, b in zip(self.starts, ends)]
+        if ctx.is_chief:  # the shards of a parameter server hold a stage's parameters: they need the split
+            for ps in plan.ps:
+                dist.send(torch.tensor(self.starts, dtype=torch.int64), dst=ps.rank, tag=TAG_SPLIT)  # point-to-point
         self.module = self.parts[self.stage].to(device)
         lo, hi = self.starts[self.stage], ends[self.stage]
         self.in_shape, self.in_dtype = (prof.in_shape, prof.in_dtype) if lo == 0 else \

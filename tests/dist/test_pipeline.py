@@ -62,7 +62,7 @@ def test_stages_resume_is_exact(tmp_path):
 @pytest.mark.parametrize("overrides, pattern", [
     (["parallel.stages=2", "cluster.gpus_per_node=3"], "cluster.gpus_per_node = 3: .*multiple of 2"),
     (["parallel.stages=2", "cluster.gpus_per_node=2", "strategy.name=async-allreduce"],
-     "parallel.stages = 2: composes with strategy.name = allreduce; not 'async-allreduce'"),
+     "parallel.stages = 2: composes with strategy.name = allreduce or sync; not 'async-allreduce'"),
     (["parallel.stages=2", "cluster.gpus_per_node=2", "parallel.split=['layer9.0']"],
      "parallel.split: no layer 'layer9.0'; the layers are stem, layer1.0"),
 ])
@@ -101,3 +101,19 @@ def test_the_wrapped_module_of_stages_is_not_called():
     from scaletrain.pipeline import Stages
     with pytest.raises(RunError, match=r"write loss = job.forward_backward\(x, y\)"):
         Stages(torch.nn.Linear(2, 2))(torch.zeros(1, 2))
+
+
+def test_stages_under_a_sync_parameter_server_equal_one_process(tmp_path):
+    """2 nodes of one replica in 2 stages, 2 PS shards (one a stage): each stage pushes its own parameters'
+    gradient to its shard; the weights of one process on the 2 replicas' batch. Resumed, exact."""
+    setup = [*SETUP, "strategy.name=sync", "cluster.nodes=2", "cluster.num_ps=2", *staged(2, 1),
+             f"data.batch_size={BATCH // 2}"]
+    _, single = run(tmp_path, "single", *SETUP, f"data.batch_size={BATCH}")
+    s, ps = run(tmp_path, "sync", *setup)
+    assert (s["stages"], s["replicas"], s["num_ps"]) == (2, 2, 2)
+    assert max_diff(single, ps) <= 1e-5
+    run(tmp_path, "split", *setup, "train.steps=3")
+    ckpt = latest_checkpoint(tmp_path / "split")
+    assert [x["version"] for x in ckpt["ps"]] == [3, 3] and all(x["optimizer"] for x in ckpt["ps"])
+    s, resumed = run(tmp_path, "split", *setup, resume=True)
+    assert s["start_step"] == 3 and max_diff(single, resumed) <= 1e-5

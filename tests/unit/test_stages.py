@@ -96,7 +96,7 @@ def test_plan_places_the_stages_of_a_replica_side_by_side():
     (["parallel.stages=2"], "cluster.gpus_per_node = 1: a replica takes parallel.stages = 2"),
     (["parallel.stages=2", "cluster.gpus_per_node=2", "data.batch_size=30"], "not a multiple of parallel.microbatches"),
     (["parallel.stages=2", "cluster.gpus_per_node=2", "strategy.name=async", "cluster.num_ps=1"],
-     "composes with strategy.name = allreduce; not 'async'"),
+     "composes with strategy.name = allreduce or sync; not 'async'"),
     (["parallel.stages=2", "cluster.gpus_per_node=2", "train.compile=true"], "train.compile = True: not with"),
     (["parallel.stages=3", "cluster.gpus_per_node=3", "parallel.split=['layer1.0']"], "2 names"),
 ])

@@ -76,7 +76,7 @@ def candidates(cfg: Config, total: int) -> list[Config]:
     another size than the others', which throughput alone cannot weigh."""
     out = []
     for name, e in REGISTRY.items():
-        if e.rounds or (cfg.parallel.stages > 1 and e.no_stages):
+        if e.rounds or (cfg.parallel.stages > 1 and e.uses_ps):  # stages are modelled under all-reduce only
             continue
         shapes = [(total, 0, "alongside")] if not e.uses_ps else \
             [(total, p, "alongside") for p in ps_counts(total)] + \

@@ -106,8 +106,9 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
         raise ModelError(f"cluster.gpus_per_node = {c.gpus_per_node}: the profile's nodes offer "
                          f"{prof.replicas_per_node} replicas")
     par = cfg.parallel
-    if par.stages > 1 and (e := entry(cfg)).no_stages:
-        raise ModelError(f"parallel.stages = {par.stages}: not with strategy.name = {cfg.strategy.name!r}")
+    if par.stages > 1 and entry(cfg).uses_ps:
+        raise ModelError(f"parallel.stages = {par.stages}: the model has stages under allreduce only, not under "
+                         f"strategy.name = {cfg.strategy.name!r}'s parameter servers")
     e = entry(cfg)
     try:
         plan = make_plan(c, e.uses_ps, stages=cfg.parallel.stages)

@@ -38,6 +38,7 @@ PUSH, STOP, SNAPSHOT, PULL, LOST = 0, 1, 2, 3, 4
 SYNC, DONE = 1, 2  # reply flags (bits)
 ASKED = 2  # reply flags >> ASKED: the requests the point was asked with
 TAG_HDR, TAG_VALS, TAG_REPLY_HDR, TAG_REPLY_VALS, TAG_SNAP = 1, 2, 3, 4, 5
+TAG_SPLIT = 6  # with pipeline stages: the chief tells each shard the split, before anything else
 
 
 def header(a: int, b: int, c: int = 0) -> torch.Tensor:

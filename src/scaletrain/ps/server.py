@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, schedule
+from .. import checkpoint, pipeline, schedule
 from ..comm import p2p
 from ..comm.liveness import HEARTBEAT_S, STALE_S
 from ..data import build_datasets
@@ -64,11 +64,16 @@ log = logging.getLogger("scaletrain")
 
 class Shard:
     def __init__(self, cfg, index: int, pushers: list[int], mode: str, wait_for: int, schedule: Schedule,
-                 push_images: int, update_images: int, ctx=None) -> None:
+                 push_images: int, update_images: int, ctx=None, starts: list[int] | None = None) -> None:
+        """starts: with pipeline stages, the first layer of each (pipeline.py): this shard holds a part of
+        stage index mod parallel.stages's parameters, shared out among that stage's shards."""
         torch.manual_seed(cfg.train.seed)  # the workers' initial model, bit for bit
-        params = list(build_model(cfg.model).parameters())
-        self.layout = make_layout([p.numel() for p in params], cfg.cluster.num_ps, cfg.cluster.sharding)
-        self.values = torch.nn.Parameter(gather(params, self.layout.shards[index]).clone())
+        model = build_model(cfg.model)
+        params = list(model.parameters() if starts is None else
+                      pipeline.stage_module(model, starts, index % cfg.parallel.stages).parameters())
+        shards = traits.stage_shards(cfg, index % cfg.parallel.stages)
+        self.layout = make_layout([p.numel() for p in params], len(shards), cfg.cluster.sharding)
+        self.values = torch.nn.Parameter(gather(params, self.layout.shards[shards.index(index)]).clone())
         self.optimizer = build_optimizer(cfg.optim, [self.values])
         self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
         self.push_images, self.update_images = push_images, update_images
@@ -358,15 +363,21 @@ class Shard:
 
 def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
     """Be PS shard `ctx.me.index` until every pusher has stopped; returns its figures."""
-    e = traits.entry(cfg)
-    pushers = traits.pushers(cfg, ctx.plan)
+    e, stages = traits.entry(cfg), cfg.parallel.stages
+    pushers = traits.pushers(cfg, ctx.plan, ctx.me.index % stages)
+    # Collective over the world when resuming: before anything the workers do after it
+    found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
+    starts = None
+    if stages > 1:  # the split the workers made (measured times, or their checkpoint's): the chief says it
+        got = torch.zeros(stages, dtype=torch.int64)
+        p2p.recv(got, src=ctx.plan.workers[0].rank, tag=P.TAG_SPLIT)
+        starts = got.tolist()
     train_images = 0
     if not cfg.train.steps:  # the run's length comes from the epoch size; only then is the data read
         train_images = len(build_datasets(cfg, check=False)[0])  # its files: the workers' to read
     shard = Shard(cfg, ctx.me.index, pushers, e.server, traits.wait_for(cfg, len(pushers)),
                   schedule.from_config(cfg, train_images), traits.push_images(cfg),
-                  traits.images_per_update(cfg), ctx)
-    found = checkpoint.load_agreed(run_dir / "checkpoints", distributed=True) if resume else None
+                  traits.images_per_update(cfg), ctx, starts)
     if found is not None:  # the workers load the same file and check its config
         state, path = found
         shards = state.get("ps") or []

@@ -100,6 +100,10 @@ class Strategy:
         decide. Here there are none."""
         return stop
 
+    def set_stages(self, numels: list[list[int]]) -> None:
+        """The parameter sizes of every pipeline stage of the replica (job.py), for a strategy whose state
+        outside this process covers every stage's (the PS shards)."""
+
     def snapshot(self) -> dict:
         """State held outside this process, for the chief's checkpoint (called between steps)."""
         return {}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
 from ..comm import p2p
+from ..comm.liveness import CHECKPOINT, STOP
 from ..errors import CheckpointError
 from ..optim import state_keys
 from ..ps import protocol as P
@@ -28,6 +29,7 @@ from ..ps.sharding import gather, make_layout, scatter_
 from ..noise import NoiseScale
 from .allreduce import average_, count_ring, data_parallel
 from .base import Strategy, Tick
+from .traits import stage_shards
 
 
 class PSClient(Strategy):
@@ -38,8 +40,11 @@ class PSClient(Strategy):
         self.group_size = len(ctx.node_workers()) if per_node else 1
         self.pusher = not per_node or ctx.me.replica == 0
         self.leader = ctx.node_workers()[0] if per_node else ctx.rank
-        self.layout = make_layout([p.numel() for p in self.params], cfg.cluster.num_ps, cfg.cluster.sharding)
-        self.servers = [p.rank for p in ctx.plan.ps]
+        # With pipeline stages a stage's shards hold its parameters (traits.stage_shards): this process's
+        self.shards = stage_shards(cfg, ctx.me.stage)
+        self.layout = make_layout([p.numel() for p in self.params], len(self.shards), cfg.cluster.sharding)
+        self.servers = [ctx.plan.ps[k].rank for k in self.shards]
+        self.stage_numels: list[list[int]] | None = None  # every stage's parameter sizes (set_stages)
         self.versions = [0] * len(self.servers)
         self.on_gpu = self.params[0].device.type == "cuda"  # messages go through host buffers (gloo)
         self.ddp = None
@@ -61,7 +66,8 @@ class PSClient(Strategy):
         averaging runs while backward does (the node's GPUs: NCCL); the push follows it."""
         if self.group is not None and self.ddp is None:
             b = self.cfg.data.batch_size
-            self.noise = NoiseScale(b, b * self.group_size, self.params[0].device)
+            # Not with stages: a bucket holds a part of the gradient, summed over micro-batches
+            self.noise = None if self.ctx.plan.stages > 1 else NoiseScale(b, b * self.group_size, self.params[0].device)
             self.ddp = data_parallel(self.model, self.group, noise=self.noise)
         return self.ddp or self.model
 
@@ -80,7 +86,8 @@ class PSClient(Strategy):
         # stream reaches them. The push syncs once its payloads are queued, as it needs them on the host.
         grads = self.grads()
         if self.ddp is not None:  # averaged in backward
-            self.noise.step()
+            if self.noise is not None:
+                self.noise.step()
             count_ring(self.counters, self.group_size, self.numel * grads[0].element_size(), "intra_s")
         elif self.group is not None:  # no backward ran through DDP (train.emulate_compute_s): average here
             average_(grads, self.group, self.group_size, self.counters, "intra_s", self._flat("grads"))
@@ -141,6 +148,10 @@ class PSClient(Strategy):
         sync point and another answered before reaching it, PULL that one's values of the point,
         so this node leaves the point with every shard's values of it."""
         asked = self.ctx.requests  # a stop signal or timed checkpoint: the shards' next update is a sync point
+        if self.ctx.pipe_group is not None:  # every stage's shards make the same update a sync point
+            bits = torch.tensor([asked & CHECKPOINT, asked & STOP], dtype=torch.int64, device=self.params[0].device)
+            dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=self.ctx.pipe_group)  # collective over the stages
+            asked = int(bits[0]) | int(bits[1])  # host-device sync on a GPU, before the push's own
         payloads = [self._payload(grads, k) for k in range(len(self.servers))]
         if self.on_gpu:
             torch.cuda.current_stream().synchronize()  # host-device sync: the payloads' copies, once a step
@@ -167,21 +178,38 @@ class PSClient(Strategy):
         sync point, while every other worker waits for the chief: each shard holds
         the point's values, which every worker has too."""
         keys, shards = state_keys(self.cfg.optim), []
-        for k, server in enumerate(self.servers):
+        for k, numel in enumerate(self._shard_numels()):  # every shard, of every stage
+            server = self.ctx.plan.ps[k].rank
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
             p2p.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
             p2p.recv(hdr, src=server, tag=P.TAG_SNAP)
-            tensors = [torch.empty(self.layout.numel(k)) for _ in range(1 + int(hdr[1]))]
+            tensors = [torch.empty(numel) for _ in range(1 + int(hdr[1]))]
             for t in tensors:
                 p2p.recv(t, src=server, tag=P.TAG_SNAP)
             shards.append({"version": int(hdr[0]), "images": int(hdr[2]), "values": tensors[0],
                            "optimizer": dict(zip(keys, tensors[1:]))})
         return {"ps": shards}
 
+    def set_stages(self, numels: list[list[int]]) -> None:
+        self.stage_numels = numels
+
+    def _shard_numels(self) -> list[int]:
+        """The values each PS shard holds, in shard order: with stages, each stage's layout of its parameters."""
+        if self.stage_numels is None:
+            return [self.layout.numel(k) for k in range(len(self.servers))]
+        out = []
+        for k in range(self.cfg.cluster.num_ps):
+            s = k % self.cfg.parallel.stages
+            mine = stage_shards(self.cfg, s)
+            out.append(make_layout(self.stage_numels[s], len(mine), self.cfg.cluster.sharding).numel(mine.index(k)))
+        return out
+
     def restore(self, state: dict) -> None:
         shards = state.get("ps") or []
-        if len(shards) != len(self.servers):
-            raise CheckpointError(f"the checkpoint holds {len(shards)} PS shards; this run has {len(self.servers)}")
+        if len(shards) != self.cfg.cluster.num_ps:
+            raise CheckpointError(f"the checkpoint holds {len(shards)} PS shards; this run has "
+                                  f"{self.cfg.cluster.num_ps}")
+        shards = [shards[k] for k in self.shards]  # this stage's
         for k, shard in enumerate(shards):
             scatter_(self.params, self.layout.shards[k], shard["values"])
         self.versions = [shard["version"] for shard in shards]

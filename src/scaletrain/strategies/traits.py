@@ -38,15 +38,17 @@ class Traits:
         return not self.no_stages
 
 
-PS_STAGES = "push one whole model's gradient to the shards, where a stage holds a part"
+# Shards that apply what comes as it comes would reach a sync point at one stage's push and not its neighbour's
+PS_STAGES = "pipeline stages would each leave the shards' sync points at another push"
 
 REGISTRY: dict[str, Traits] = {
     "allreduce": Traits(uses_ps=False, resizable=True),
     "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
                               no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
                                         "each do by a different count"),
-    "sync": Traits(uses_ps=True, server="sync", no_stages=PS_STAGES),
-    "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True, no_stages=PS_STAGES),
+    "sync": Traits(uses_ps=True, server="sync"),
+    "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True,
+                     no_stages="would each drop another node's gradient as the late one"),
     "mixed-async": Traits(uses_ps=True, server="async", survives_loss=True, no_stages=PS_STAGES),
     "async": Traits(uses_ps=True, server="async", per_node=False, survives_loss=True, no_stages=PS_STAGES),
 }
@@ -57,9 +59,16 @@ def entry(cfg) -> Traits:
     return REGISTRY[cfg.strategy.name]
 
 
-def pushers(cfg, plan) -> list[int]:
-    """Ranks that talk to the parameter servers: node leaders, or every replica."""
-    return list(plan.leaders) if entry(cfg).per_node else [p.rank for p in plan.workers]
+def pushers(cfg, plan, stage: int = 0) -> list[int]:
+    """Ranks that talk to the parameter servers: node leaders, or every replica; with pipeline stages,
+    those of one stage (a stage's shards hold its parameters alone)."""
+    ranks = list(plan.leaders) if entry(cfg).per_node else [p.rank for p in plan.workers]
+    return [r for r in ranks if plan.procs[r].stage == stage]
+
+
+def stage_shards(cfg, stage: int) -> list[int]:
+    """The PS shards that hold a pipeline stage's parameters: shard k holds stage k mod parallel.stages's."""
+    return [k for k in range(cfg.cluster.num_ps) if k % cfg.parallel.stages == stage]
 
 
 def replicas_per_node(cfg) -> int:
