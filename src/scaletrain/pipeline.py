@@ -77,6 +77,15 @@ def balance(costs: list[float], stages: int) -> list[int]:
     return starts[::-1]
 
 
+def backend_refused(device_type: str, backend: str) -> str | None:
+    """Why a replica's stages on `device_type` cannot talk over `backend`, or None: gloo sends no GPU tensor
+    from one process to another, which the schedules' activations are."""
+    if device_type == "cuda" and backend != "nccl":
+        return ("parallel.stages on GPUs needs NCCL between them, not cluster.backend = 'gloo' (its point-to-point "
+                "sends take no GPU tensors): set cluster.backend = 'auto', a GPU a process")
+    return None
+
+
 def stage_module(model: nn.Module, starts: list[int], stage: int) -> nn.Module:
     """The layers of one stage of a split (starts: the first layer of each stage), as one module."""
     mods = [m for _, m in _merge_in_place(layers(model))]
@@ -203,6 +212,9 @@ class Pipeline:
         self.cfg, self.ctx, self.model, self.device = cfg, ctx, model, device
         self.S, self.stage, self.M = plan.stages, me.stage, p.microbatches
         self.ranks, self.group = plan.pipeline_of(me), ctx.pipe_group
+        refused = backend_refused(device.type, dist.get_backend(self.group))
+        if refused:
+            raise ConfigError(refused)
         named = _merge_in_place(layers(model))
         self.names, mods = [n for n, _ in named], [m for _, m in named]
         micro = cfg.data.batch_size // self.M

@@ -40,6 +40,12 @@ def test_balance_by_hand():
         balance([1, 1], 3)
 
 
+def test_stages_on_gpus_need_nccl():
+    from scaletrain.pipeline import backend_refused
+    assert backend_refused("cuda", "nccl") is None and backend_refused("cpu", "gloo") is None
+    assert "needs NCCL" in backend_refused("cuda", "gloo")
+
+
 def test_named_split_points():
     names = ["stem", "layer1.0", "layer2.0", "fc"]
     assert named_starts(names, ["layer2.0"]) == [0, 2]
