@@ -104,7 +104,7 @@ def test_the_wrapped_module_of_stages_is_not_called():
 
 
 def test_stages_under_a_sync_parameter_server_equal_one_process(tmp_path):
-    """2 nodes of one replica in 2 stages, 2 PS shards (one a stage): each stage pushes its own parameters'
+    """2 nodes of one replica in 2 stages, 2 PS shards (one a stage), and 4 stages with 4: each stage pushes its own parameters.
     gradient to its shard; the weights of one process on the 2 replicas' batch. Resumed, exact."""
     setup = [*SETUP, "strategy.name=sync", "cluster.nodes=2", "cluster.num_ps=2", *staged(2, 1),
              f"data.batch_size={BATCH // 2}"]
@@ -117,3 +117,7 @@ def test_stages_under_a_sync_parameter_server_equal_one_process(tmp_path):
     assert [x["version"] for x in ckpt["ps"]] == [3, 3] and all(x["optimizer"] for x in ckpt["ps"])
     s, resumed = run(tmp_path, "split", *setup, resume=True)
     assert s["start_step"] == 3 and max_diff(single, resumed) <= 1e-5
+    # 4 stages of one replica, a dedicated PS node a stage
+    _, four = run(tmp_path, "sync4", *SETUP, "strategy.name=sync", "cluster.num_ps=4", "cluster.ps_placement=dedicated",
+                  *staged(4, 1))
+    assert max_diff(single, four) <= 1e-5
