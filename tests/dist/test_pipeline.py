@@ -104,8 +104,8 @@ def test_the_wrapped_module_of_stages_is_not_called():
 
 
 def test_stages_under_a_sync_parameter_server_equal_one_process(tmp_path):
-    """2 nodes of one replica in 2 stages, 2 PS shards (one a stage), and 4 stages with 4: each stage pushes its own parameters.
-    gradient to its shard; the weights of one process on the 2 replicas' batch. Resumed, exact."""
+    """2 nodes of one replica in 2 stages with 2 PS shards (one a stage), and 4 stages with 4: each stage pushes
+    its own parameters' gradient to its shards; the weights of one process on the same batch. Resumed, exact."""
     setup = [*SETUP, "strategy.name=sync", "cluster.nodes=2", "cluster.num_ps=2", *staged(2, 1),
              f"data.batch_size={BATCH // 2}"]
     _, single = run(tmp_path, "single", *SETUP, f"data.batch_size={BATCH}")
