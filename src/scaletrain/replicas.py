@@ -49,10 +49,11 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, inputs, group
     With pipeline stages, `model` is this process's stage, its buffers averaged over `buffers_group`
     (the stage's replicas), and forward(x, n) the logits of the last stage (None on the others, whose
     sums stay 0)."""
-    if (buffers_group or group) is not None:
+    bgroup = buffers_group if forward is not None else group  # with stages, a stage's buffers are its own
+    if bgroup is not None:
         bufs = [b for b in model.buffers() if b.is_floating_point()]
         if bufs:
-            average_(bufs, buffers_group or group, workers)  # collective over the replicas
+            average_(bufs, bgroup, workers)  # collective over the replicas
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, images
     with torch.no_grad():

@@ -40,7 +40,8 @@ from . import figures, flags
 from .grid import cell_sets, cells, check_cells, parse_grid
 from .report import write_report
 
-KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas",
+KEEP = ("strategy", "nodes", "nodes_total", "gpus_per_node", "num_ps", "ps_placement", "replicas", "stages",
+        "pipeline", "peak_memory_bytes",
         "images_per_sec", "images_per_sec_stderr", "images_per_sec_mad", "slowest_window_fraction", "timed_windows",
         "data_wait_fraction",
         "bytes_per_step", "staleness_mean", "staleness_p95", "staleness_max", "dropped_gradients",
