@@ -140,7 +140,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: int = opt(1, "worker nodes (1..4096)", lo=1, hi=4096)
-    gpus_per_node: int = opt(1, "replicas per worker node, one process and one GPU each (1..16)", lo=1, hi=16)
+    gpus_per_node: int = opt(1, "processes per worker node, one GPU each: its replicas, times parallel.stages when a "
+                             "replica is split (1..16)", lo=1, hi=16)
     num_ps: int = opt(0, "parameter-server processes, each holding one shard (0..4096)", lo=0, hi=4096)
     ps_placement: str = opt("alongside", "alongside (on worker nodes, at most one per node, no GPU) | "
                             "dedicated (one extra node per PS)", choices=("alongside", "dedicated"))
