@@ -19,9 +19,9 @@ from typing import Any, get_type_hints
 
 import tomli_w
 
-from .device import refused
+from .config_checks import ROOTS, check_relations  # noqa: F401 - ROOTS: doctor's and preflight's, as config's
 from .errors import ConfigError
-from .recipe_values import DATA_SOURCES, MODELS, parse_augment, parse_data_name, parse_lines, parse_model_name
+from .recipe_values import parse_augment, parse_data_name, parse_lines, parse_model_name
 from .strategies.traits import REGISTRY
 
 
@@ -239,9 +239,6 @@ class Config:
         return build_config(self.to_dict(), [f"{k}={toml_value(v)}" for k, v in overrides.items()])
 
 
-ROOTS = {"imagefolder": "directory root/CLASS/*.jpg", "manifest": "CSV manifest",
-         "shards": "directory written by scaletrain pack"}
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGQUIT", "SIGXCPU")
 SECTIONS = {f.name: f.type for f in fields(Config)}
 
 
@@ -332,116 +329,8 @@ def build_config(recipe: dict[str, Any], overrides: list[str] = (), origin: str 
             kw[k] = check_value(f"{sec}.{k}", v, known[k], types[k])
         built[sec] = cls(**kw)
     cfg = Config(**built)
-    _check_relations(cfg)
+    check_relations(cfg)
     return cfg
-
-
-def _check_relations(cfg: Config) -> None:
-    d = cfg.data
-    if d.name in ROOTS and not d.root:
-        raise ConfigError(f"data.root is empty: data.name = {d.name!r} needs a {ROOTS[d.name]}")
-    if d.args and d.name in DATA_SOURCES:
-        raise ConfigError(f"data.args = {d.args!r}: the keyword arguments of a factory (data.name = "
-                          f"package.module:factory); data.name = {d.name!r} takes none")
-    for key in ("root", "test_root"):
-        if getattr(d, key) and d.name not in DATA_SOURCES:
-            raise ConfigError(f"data.{key} = {getattr(d, key)!r}: data.name = {d.name!r} reads no files of its own; "
-                              "give the factory its paths in [data.args]")
-    if cfg.optim.scale_lr == "noise" and not cfg.optim.noise_scale > 0:
-        raise ConfigError("optim.scale_lr = 'noise' needs optim.noise_scale > 0: a measured run's noise_scale "
-                          "(summary.json)")
-    if cfg.train.steps == 0 and cfg.train.epochs <= 0:
-        raise ConfigError("train.steps = 0 and train.epochs = 0: set one of them above 0")
-    s, c = cfg.strategy, cfg.cluster
-    if REGISTRY[s.name].backups and s.backup_workers >= c.nodes:
-        raise ConfigError(f"strategy.backup_workers = {s.backup_workers}: must be below cluster.nodes = {c.nodes} "
-                          "(a version needs at least one node's gradient)")
-    stale_aware = [f"strategy.{k} = {v}" for k, v in (("staleness_lr", s.staleness_lr),
-                                                      ("delay_compensation", s.delay_compensation))
-                   if v not in ("none", 0.0)]
-    if stale_aware and not s.emulate_workers and REGISTRY[s.name].server != "async":
-        names = " or ".join(n for n, e in REGISTRY.items() if e.server == "async")
-        raise ConfigError(f"{' and '.join(stale_aware)}: acts on asynchronous updates, those of strategy.name = "
-                          f"{names} or of strategy.emulate_workers; strategy.name = {s.name!r}")
-    if s.compression != "none" and (REGISTRY[s.name].rounds or s.emulate_workers):
-        names = ", ".join(n for n, e in REGISTRY.items() if not e.rounds)
-        raise ConfigError(f"strategy.compression = {s.compression}: acts between the nodes of strategy.name = {names}; "
-                          f"not {s.name!r}{' with strategy.emulate_workers' if s.emulate_workers else ''}")
-    if s.async_bound and not REGISTRY[s.name].rounds:
-        names = " or ".join(n for n, e in REGISTRY.items() if e.rounds)
-        raise ConfigError(f"strategy.async_bound = {s.async_bound}: bounds the rounds of strategy.name = {names}; "
-                          f"strategy.name = {s.name!r} has none (set it to 0)")
-    if refused(cfg):
-        raise ConfigError(refused(cfg)[0])
-    if s.emulate_workers and cfg.distributed:
-        raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers} runs in one process: set "
-                          "cluster.nodes = cluster.gpus_per_node = 1 and cluster.num_ps = 0")
-    t = cfg.train
-    if t.emulate_compute_s:
-        for key, value in (("target_accuracy", t.target_accuracy), ("target_loss", t.target_loss),
-                           ("eval_every", t.eval_every)):
-            if value:
-                raise ConfigError(f"train.{key} = {value}: train.emulate_compute_s = {t.emulate_compute_s} trains on "
-                                  f"made-up gradients, so nothing is evaluated; set train.{key} = 0")
-    if (t.target_accuracy or t.target_loss) and not t.eval_every:
-        raise ConfigError("train.target_accuracy / train.target_loss are checked at evaluations: "
-                          "set train.eval_every > 0")
-    for name in c.stopping:
-        if name not in STOP_SIGNALS:
-            raise ConfigError(f"cluster.stop_signals = {c.stop_signals!r}: {name!r} is not one of "
-                              f"{', '.join(STOP_SIGNALS)}")
-    if s.slow_node >= c.nodes:
-        raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
-    if c.min_nodes > c.nodes:
-        raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
-    _check_model(cfg.model)
-    _check_stages(cfg)
-    if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
-        raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
-
-
-def _check_stages(cfg: Config) -> None:
-    """parallel.* with what it composes with: the strategies whose traits say so, real compute."""
-    p, c = cfg.parallel, cfg.cluster
-    if p.stages == 1:
-        return
-    if c.gpus_per_node % p.stages:
-        raise ConfigError(f"cluster.gpus_per_node = {c.gpus_per_node}: a replica takes parallel.stages = {p.stages} "
-                          f"processes of a node; set it to a multiple of {p.stages}")
-    if cfg.data.batch_size % p.microbatches:
-        raise ConfigError(f"data.batch_size = {cfg.data.batch_size}: not a multiple of parallel.microbatches = "
-                          f"{p.microbatches}")
-    if p.split and len(p.split) != p.stages - 1:
-        raise ConfigError(f"parallel.split = {p.split!r}: names the first layer of stages 2..{p.stages}, "
-                          f"{p.stages - 1} names")
-    if REGISTRY[cfg.strategy.name].uses_ps and REGISTRY[cfg.strategy.name].stages and c.num_ps % p.stages:
-        raise ConfigError(f"cluster.num_ps = {c.num_ps}: each of parallel.stages = {p.stages} has shards of its own "
-                          f"(shard k holds stage k mod {p.stages}'s parameters); set it to a multiple of {p.stages}")
-    if not REGISTRY[cfg.strategy.name].stages:
-        names = " or ".join(n for n, e in REGISTRY.items() if e.stages)
-        raise ConfigError(f"parallel.stages = {p.stages}: composes with strategy.name = {names}; not "
-                          f"{cfg.strategy.name!r}, whose replicas {REGISTRY[cfg.strategy.name].no_stages}")
-    t, s = cfg.train, cfg.strategy
-    for key, value in (("train.emulate_compute_s", t.emulate_compute_s), ("strategy.emulate_workers",
-                       s.emulate_workers), ("train.noise_every", t.noise_every), ("train.compile", t.compile),
-                       ("train.channels_last", t.channels_last)):
-        if value:
-            raise ConfigError(f"{key} = {value}: not with parallel.stages = {p.stages}, whose forward and backward "
-                              "are the pipeline schedule's (set parallel.stages = 1 or turn it off)")
-
-
-def _check_model(m: ModelConfig) -> None:
-    """Keys that shape only one kind of network are errors with the other (no setting silently ignored)."""
-    if m.name in MODELS:
-        if m.args:
-            raise ConfigError(f"model.args = {m.args!r}: the keyword arguments of an import-path model.name's "
-                              f"factory; model.name = {m.name!r} is built-in (model.norm and model.width shape it)")
-        return
-    default = ModelConfig()
-    for key in ("norm", "width"):
-        if getattr(m, key) != getattr(default, key):
-            raise ConfigError(f"model.{key} = {getattr(m, key)!r}: shapes the built-in ResNets only; model.name = "
-                              f"{m.name!r} is your own network (give its factory's options in [model.args])")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .compute import autocast, grads_to_none
 from .errors import ConfigError, RunError
 from .metrics import DeviceTimer, sync
+from .models import build_model
 from .ps.protocol import TAG_SPLIT
 
 
@@ -110,8 +111,6 @@ def planned_split(cfg) -> str:
     """The layers of the recipe's network and the stages parallel.split or a split by parameters makes of
     them, for `scaletrain plan` (a run with parallel.balance = time splits by the times it measures, and
     its summary.json says where). The network is built on the meta device: no memory, no compute."""
-    from .models import build_model  # function-local: the layer below this one builds the network
-
     with torch.device("meta"):
         named = _merge_in_place(layers(build_model(cfg.model, weights=False)))
     names, params = [n for n, _ in named], [sum(q.numel() for q in m.parameters()) for _, m in named]
