@@ -20,14 +20,18 @@ from scaletrain.job import Job
 from scaletrain.loop import train
 
 
-def user_loop(cfg, run_dir, **wrap):
-    """What examples/custom_loop.py does, in this process."""
+def user_loop(cfg, run_dir, forward_backward=False, **wrap):
+    """What examples/custom_loop.py does, in this process; forward_backward: its branch for pipeline stages,
+    job.forward_backward, which any job takes."""
     with Job(cfg, run_dir, progress=False) as job:
         model, optimizer = job.wrap(scaletrain.build_model(cfg.model), **wrap)
         for x, y in job.batches():
             optimizer.zero_grad()
-            loss = job.loss(model(x), y)
-            loss.backward()
+            if forward_backward:
+                loss = job.forward_backward(x, y)
+            else:
+                loss = job.loss(model(x), y)
+                loss.backward()
             job.step(loss)
     return job.figures()
 
@@ -38,10 +42,11 @@ def test_the_package_exports_the_api():
         scaletrain.nope
 
 
-def test_a_users_loop_is_the_built_in_loop_to_the_bit(digits_cfg, tmp_path):
+@pytest.mark.parametrize("forward_backward", [False, True], ids=["own-forward", "job.forward_backward"])
+def test_a_users_loop_is_the_built_in_loop_to_the_bit(digits_cfg, tmp_path, forward_backward):
     cfg = digits_cfg("train.steps=12", "train.eval_every=6", "train.checkpoint_every=6")
     builtin = train(cfg, tmp_path / "builtin", progress=False)
-    mine = user_loop(cfg, tmp_path / "mine")
+    mine = user_loop(cfg, tmp_path / "mine", forward_backward)
     a, b = load_file(tmp_path / "builtin" / "model.safetensors"), load_file(tmp_path / "mine" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("steps", "images_applied", "final_train_loss", "test_accuracy", "test_loss", "train_images"):
