@@ -89,7 +89,8 @@ def summarize(rows: list[dict], nodes: int) -> dict:
     ps = [r for r in rows if r["is_ps"]]
     pushers = [r for r in workers if r["pusher"]]
     out = {
-        "images_computed": int(sum(r["computed"] for r in workers)),  # dropped gradients' images included
+        # dropped gradients' images included; with stages, every stage of a replica computes its batch: once
+        "images_computed": int(sum(r["computed"] for r in workers if not r["stage"])),
         "peak_memory_bytes": int(max(r["peak_mem"] for r in workers)),  # the largest worker's (metrics.peak_memory)
         "time_split_s": {k: sum(r[k] for r in workers) / len(workers) for k in ("compute_s", "intra_s", "comm_s")},
         "bytes_per_step": {

@@ -266,8 +266,7 @@ class Tracker:
     def summarize(self, tick: Tick, train_images: int, test_images: int) -> dict[str, Any]:
         """Gather every process's figures; the chief writes model.safetensors and summary.json."""
         c = self.strategy.counters
-        # With stages every stage of a replica computes its batch: the first counts it
-        mine = dict(node=self.ctx.me.node, computed=self.computed if self.ctx.me.stage == 0 else 0, own_s=self.clock.t, bytes_sent=c.bytes_sent,
+        mine = dict(node=self.ctx.me.node, computed=self.computed, own_s=self.clock.t, bytes_sent=c.bytes_sent,
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps,
                     compute_s=self.compute_time.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
                     peak_mem=self.peak,
