@@ -107,8 +107,8 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
                          f"{prof.replicas_per_node} replicas")
     par = cfg.parallel
     if par.stages > 1 and entry(cfg).uses_ps:
-        raise ModelError(f"parallel.stages = {par.stages}: the model has stages under allreduce only, not under "
-                         f"strategy.name = {cfg.strategy.name!r}'s parameter servers")
+        raise ModelError(f"parallel.stages = {par.stages}: the model has stages under allreduce only, not with the "
+                         f"parameter servers of strategy.name = {cfg.strategy.name!r}")
     e = entry(cfg)
     try:
         plan = make_plan(c, e.uses_ps, stages=cfg.parallel.stages)
