@@ -75,6 +75,19 @@ def test_four_node_mixed_async_job(cluster, tmp_path):
     assert {p["launcher"] for p in procs} == {"slurm"} and len({p["job"] for p in procs}) == 1
 
 
+def test_pipeline_stages_under_slurm(cluster, tmp_path):
+    """2 nodes of one replica in 2 stages: each node's two tasks are its replica's stages, as the plan says."""
+    run_dir = tmp_path / "stages"
+    r, logs = submit(cluster, run_dir, "cluster.nodes=2", "cluster.gpus_per_node=2", "parallel.stages=2",
+                     "model.name=resnet8")
+    assert r.returncode == 0, r.stdout + r.stderr + logs
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert (s["stages"], s["replicas"], s["steps"], len(s["pipeline"]["stages"])) == (2, 2, 20, 2)
+    procs = placement(run_dir)
+    assert [(p["node"], p["SLURMD_NODENAME"]) for p in procs] == [(0, "node1"), (0, "node1"), (1, "node2"),
+                                                                 (1, "node2")]
+
+
 def test_a_gpu_job_with_a_dedicated_ps_node(cluster, tmp_path):
     """A GPU job (the cluster's GPUs are counted by Slurm, backed by nothing) whose PS has a node of
     its own: a heterogeneous job, no GPU held on the PS node, which the PS takes whole; the set-up
