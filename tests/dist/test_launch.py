@@ -143,6 +143,22 @@ def test_two_torchrun_agents_run_a_sync_job(tmp_path, capsys):
     assert ranks[0]["GROUP_RANK"] == "1" and ranks[2]["GROUP_RANK"] == "0"
 
 
+def test_a_torchrun_agent_runs_a_replica_in_two_stages(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    overrides = ["cluster.gpus_per_node=2", "parallel.stages=2", "model.name=resnet8", "train.steps=10",
+                 "data.workers=0", f"cluster.master_port={free_port()}", "cluster.timeout_s=30", "train.eval_every=0"]
+    assert main(["plan", "--recipe", DIGITS, "--format", "torchrun", "--run-dir", str(run_dir), *sets(*overrides)]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("torchrun ")]
+    assert len(commands) == 1 and "--nproc-per-node=2" in commands[0]
+    env = dict(os.environ, PATH=f"{os.path.dirname(os.sys.executable)}:{os.environ['PATH']}")
+    done = subprocess.run(commands[0], shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["stages"], summary["replicas"], summary["steps"]) == (2, 1, 10)
+    assert [json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["launcher"] for r in range(2)] == \
+        ["torchrun", "torchrun"]
+
+
 # --- network hygiene of local jobs ------------------------------------------------------------------
 
 def listening(pids):
