@@ -107,15 +107,24 @@ def named_starts(names: list[str], split: list[str]) -> list[int]:
     return starts
 
 
-def planned_split(cfg) -> str:
-    """The layers of the recipe's network and the stages parallel.split or a split by parameters makes of
-    them, for `scaletrain plan` (a run with parallel.balance = time splits by the times it measures, and
-    its summary.json says where). The network is built on the meta device: no memory, no compute."""
+def meta_split(cfg) -> tuple[list[str], list[int], list[int], list[nn.Module]]:
+    """(layer names, their parameters, the first layer of each stage, the layers) of the recipe's network
+    as a run splits it without measuring: by parallel.split, else by parameters. The network is built on
+    the meta device: no memory, no compute (its layers run on meta tensors for shapes)."""
     with torch.device("meta"):
         named = _merge_in_place(layers(build_model(cfg.model, weights=False)))
     names, params = [n for n, _ in named], [sum(q.numel() for q in m.parameters()) for _, m in named]
     p = cfg.parallel
     starts = named_starts(names, p.split) if p.split else balance([float(n) for n in params], p.stages)
+    return names, params, starts, [m for _, m in named]
+
+
+def planned_split(cfg) -> str:
+    """The layers of the recipe's network and the stages parallel.split or a split by parameters makes of
+    them, for `scaletrain plan` (a run with parallel.balance = time splits by the times it measures, and
+    its summary.json says where)."""
+    names, params, starts, _ = meta_split(cfg)
+    p = cfg.parallel
     how = "parallel.split" if p.split else "parameters" + (
         " (the run splits by the layers' measured times, parallel.balance = time: its summary.json says where)"
         if p.balance == "time" else "")

@@ -82,16 +82,11 @@ def boundary_bytes(cfg: Config) -> float:
     network's parameters over parallel.stages (parallel.split's where it names them): the layers'
     output shapes from a forward on the meta device (no memory, no compute), in fp32, or bf16 at
     train.precision = bf16 (on a GPU)."""
-    with torch.device("meta"):
-        model = build_model(cfg.model, weights=False)
-        named = pipeline.layers(model)
-        h, sizes = torch.empty(1, 3, cfg.data.image_size, cfg.data.image_size), []
-        for _, m in named:
-            h = m(h)
-            sizes.append(h.numel())
-    par, names = cfg.parallel, [n for n, _ in named]
-    starts = pipeline.named_starts(names, par.split) if par.split else \
-        pipeline.balance([float(sum(q.numel() for q in m.parameters())) for _, m in named], par.stages)
+    _, _, starts, mods = pipeline.meta_split(cfg)
+    h, sizes = torch.empty(1, 3, cfg.data.image_size, cfg.data.image_size, device="meta"), []
+    for m in mods:
+        h = m(h)
+        sizes.append(h.numel())
     return max(sizes[i - 1] for i in starts[1:]) * (2 if cfg.train.precision == "bf16" else 4)
 
 
