@@ -12,7 +12,8 @@ cluster at a time per machine). Each declares Cluster(cpus=...) CPUs (8 unless t
 hardware has, and Cluster(gpus=...) GPUs that Slurm counts and hands out (CUDA_VISIBLE_DEVICES,
 SLURM_STEP_GPUS) with nothing behind them; the partition hands out whole nodes, so
 `sbatch --nodes=N` alone is enough for `srun --ntasks-per-node=k`. Config, munge key and socket, state, spool and logs all live in
-the work directory; the only change outside it is one /etc/hosts line: node1..node4 -> 127.0.0.1.
+the work directory; outside it: one /etc/hosts line (node1..node4 -> 127.0.0.1), and where cgroups
+bind the steps, slurmd's cpusets /sys/fs/cgroup/cpuset/slurm_node1..4, removed by stop().
 """
 import os, shutil, signal, socket, stat, subprocess, sys, time
 from pathlib import Path
@@ -35,10 +36,12 @@ SlurmctldPidFile={wd}/run/slurmctld.pid
 SlurmdPidFile={wd}/run/slurmd-%n.pid
 SlurmctldLogFile={wd}/log/slurmctld.log
 SlurmdLogFile={wd}/log/slurmd-%n.log
-# No cgroups: track processes by /proc parentage (proctrack/pgid here adds 3 s to every job
-# that runs srun: it waits on a zombie in the batch process group), no task binding/accounting.
+# Track processes by /proc parentage (proctrack/pgid here adds 3 s to every job that runs srun:
+# it waits on a zombie in the batch process group). Steps are confined to their CPUs as on a GPU
+# cluster: a cpuset cgroup per step (task/cgroup, ConstrainCores) where cgroup v1's cpuset is
+# mounted, else affinity masks (task/affinity); see binding().
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin={task_plugin}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
@@ -58,6 +61,19 @@ SlurmdParameters=config_overrides
 {gres_types}NodeName=node[1-4] NodeHostname={host} NodeAddr=127.0.0.1 Port=17001-17004 CPUs={cpus} RealMemory=1024{gres}
 PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE
 """
+
+
+CPUSET = Path("/sys/fs/cgroup/cpuset")  # cgroup v1's cpuset hierarchy, where Slurm 22.05's cgroup/v1 works
+
+
+def binding():
+    """(TaskPlugin, cgroup.conf text): cgroups confine each step to the CPUs Slurm gave it where a
+    writable cgroup v1 cpuset is mounted (slurmd then makes CPUSET/slurm_NODE); elsewhere task/affinity
+    binds each task to them (cgroup/v2 in 22.05 needs systemd). Both confine a step the same way: a
+    task sees the step's CPUs on its node, no more."""
+    if (CPUSET / "cpuset.cpus").exists() and os.access(CPUSET, os.W_OK):
+        return "task/cgroup,task/affinity", "CgroupPlugin=cgroup/v1\nConstrainCores=yes\n"
+    return "task/affinity", ""
 
 
 def available():
@@ -95,8 +111,10 @@ class Cluster:
             key.chmod(0o400)
         gres = dict(gres_types="GresTypes=gpu\n", gres=f" Gres=gpu:{self.gpus}") if self.gpus else \
             dict(gres_types="", gres="")
+        task_plugin, cgroup = binding()
         (wd / "slurm.conf").write_text(CONF.format(host=socket.gethostname().split(".")[0], wd=wd, cpus=self.cpus,
-                                                   **gres))
+                                                   task_plugin=task_plugin, **gres))
+        (wd / "cgroup.conf").write_text(cgroup)  # read from slurm.conf's directory
         # slurmd 22.05 drops a GPU with no File= ("Removing file-less GPU") and logs an error for a
         # File= that is no device: so each fake GPU is a character device node like /dev/null's.
         for i in range(self.gpus):
@@ -148,6 +166,7 @@ class Cluster:
                     break
                 time.sleep(0.1)  # poll() above also reaps our children: no zombies left
         self.procs = [p for p in self.procs if p.poll() is None]
+        _remove_cgroups()
 
     __enter__ = lambda self: self
     __exit__ = lambda self, *exc: self.stop()
@@ -176,6 +195,19 @@ class Cluster:
                 why = f"{', '.join(dead)} exited" if dead else f"not after {timeout:.0f} s"
                 raise RuntimeError(f"Slurm cluster in {self.workdir}: no {what}: {why}\n" + "\n".join(tails))
             time.sleep(0.2)
+
+
+def _remove_cgroups():
+    """The cpusets slurmd made (CPUSET/slurm_NODE/...; slurmd leaves its own behind), deepest first.
+    A cgroup with a live process in it stays (rmdir fails); nothing else is touched."""
+    for top in (CPUSET / f"slurm_{n}" for n in NODES):
+        if not top.is_dir():
+            continue
+        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def _cluster_pids(wd):

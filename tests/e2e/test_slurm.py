@@ -19,6 +19,9 @@ import torch
 from conftest import RECIPES, ROOT, scaletrain_cmd
 
 import slurm_cluster
+from scaletrain.config import load_config
+from scaletrain.launch import cpus
+from scaletrain.launch.env import plan_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="not root: the emulated Slurm cluster needs root "
                                 "to start munged and slurmd")
@@ -59,8 +62,12 @@ def expected_hosts(run_dir):
 
 
 def test_four_node_mixed_async_job(cluster, tmp_path):
+    """Every process on the node the plan gives it, and allowed every CPU the job holds there. The
+    cluster confines each step to its CPUs (slurm_cluster.binding) as a GPU cluster's cgroups do: a
+    step that asks a CPU count a task (srun -c1) is exact and held a lone worker and its loader to one."""
     run_dir = tmp_path / "mixed"
-    r, logs = submit(cluster, run_dir, "cluster.nodes=4", "cluster.num_ps=1", "strategy.name=mixed-async")
+    r, logs = submit(cluster, run_dir, "cluster.nodes=4", "cluster.num_ps=1", "strategy.name=mixed-async",
+                     "data.workers=1")
     assert r.returncode == 0, r.stdout + r.stderr + logs
     assert "submitted batch job" in r.stdout and "test accuracy" in logs
     s = json.loads((run_dir / "summary.json").read_text())
@@ -73,6 +80,16 @@ def test_four_node_mixed_async_job(cluster, tmp_path):
     assert [p["SLURMD_NODENAME"] for p in procs] == [hosts[p["node"]] for p in procs]
     assert [int(p["SLURM_NODEID"]) for p in procs] == [p["node"] for p in procs]
     assert {p["launcher"] for p in procs} == {"slurm"} and len({p["job"] for p in procs}) == 1
+    # The plan counts a worker 1 loader + 1 thread, node 2 a PS besides; the job holds each node's 16
+    # CPUs (whole nodes). The four emulated nodes share this machine's CPUs, so each process should
+    # be allowed all of them: as many as the job holds on its node, up to what the machine has.
+    machine = len(os.sched_getaffinity(0))
+    cfg = load_config(run_dir / "config.toml")
+    needs = cpus.node_needs(plan_for(cfg), cfg)
+    assert [n.cpus for n in needs] == [2, 3, 2, 2]
+    allowed = [(p["rank"], p["node"], len(p["cpus_allowed"])) for p in procs]
+    assert allowed == [(p["rank"], p["node"], min(cluster.cpus, machine)) for p in procs], allowed
+    assert all(n >= min(needs[node].cpus, machine) for _, node, n in allowed)
 
 
 def test_pipeline_stages_under_slurm(cluster, tmp_path):

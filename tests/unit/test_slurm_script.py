@@ -68,8 +68,8 @@ def test_dedicated_ps_nodes_are_a_component_without_gpus():
     assert "#SBATCH --partition=gpu" in het[1] and "#SBATCH --cpus-per-task=1\n" in het[1]
     plan = plan_for(cfg)
     assert slurm.step_layout(plan, cfg, het=True) == [
-        "--ntasks=16", "--nodes=4", "--ntasks-per-node=4", "--cpus-per-task=1", "--cpu-bind=none", ":",
-        "--ntasks=3", "--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=1", "--cpu-bind=none"]
+        "--ntasks=16", "--nodes=4", "--ntasks-per-node=4", "--cpu-bind=none", ":",
+        "--ntasks=3", "--nodes=3", "--ntasks-per-node=1", "--cpu-bind=none"]
     cpu_only = slurm.script(study("cluster.ps_placement=dedicated", "train.device=cpu"), Path("/r"), [], env={})
     assert "hetjob" not in cpu_only and "#SBATCH --nodes=7" in cpu_only.splitlines()
 
@@ -165,3 +165,17 @@ def test_a_network_that_cannot_be_built_is_refused_before_the_script(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("scaletrain: error: model.name = 'user_models:wrong_output'") and "has shape (2, 11)" in err, err
     assert not (run_dir / "job.sbatch").exists()
+
+
+def test_the_step_holds_every_cpu_the_job_has_on_its_nodes():
+    """srun -c (any value, and an inherited SLURM_CPUS_PER_TASK or SRUN_CPUS_PER_TASK) implies --exact
+    since Slurm 21.08: under cgroups a node's step would then hold one CPU a task, its loaders and PS
+    squeezed onto them. The step asks no CPU count, so it holds all of the job's CPUs on each node,
+    and its tasks are bound to none of them in particular (they share them, threads from the plan)."""
+    cfg = study()
+    layout = slurm.step_layout(plan_for(cfg), cfg, het=False)
+    assert layout == ["--ntasks=19", "--nodes=4", "--distribution=arbitrary", "--cpu-bind=none"]
+    assert not any(o.startswith(("--cpus-per-task", "-c", "--exact")) for o in layout)
+    batch = {"SLURM_CPUS_PER_TASK": "13", "SRUN_CPUS_PER_TASK": "13", "SLURM_EXACT": "1", "SLURM_TRES_PER_TASK": "cpu=13",
+             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NTASKS_PER_NODE_PACK_GROUP_0": "1", "SLURM_JOB_ID": "7", "PATH": "/bin"}
+    assert slurm.step_env(batch) == {"SLURM_JOB_ID": "7", "PATH": "/bin"}

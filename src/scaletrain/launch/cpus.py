@@ -10,9 +10,10 @@ node's workers do not use: on a node given whole (--exclusive) that is the rest 
 
 One srun step has one --cpus-per-task for all its tasks, so per-role CPUs cannot be said to
 Slurm task by task. The allocation asks every node for the most any plan node needs (one batch
-slot per node with that many CPUs); the step's tasks then share their node's CPUs unbound, and
-each process sets its own thread count from `threads`, a pure function of the plan and of the
-CPUs Slurm gave each node (SLURM_JOB_CPUS_PER_NODE).
+slot per node with that many CPUs); the job step asks no CPU count, so it holds all of them
+(launch/slurm.step_layout), its tasks share their node's CPUs unbound, and each process sets its
+own thread count from `threads`, a pure function of the plan and of the CPUs Slurm gave each
+node (SLURM_JOB_CPUS_PER_NODE).
 """
 
 from __future__ import annotations

@@ -161,6 +161,7 @@ def record(run_dir: Path, plan, rdzv: Rendezvous) -> None:
         "rank": rdzv.rank, "role": p.role, "index": p.index, "node": p.node, "local_rank": p.local_rank,
         "device": p.device, "pid": os.getpid(), "host": socket.gethostname(), "launcher": rdzv.launcher,
         "job": rdzv.job, "rendezvous": f"{rdzv.addr}:{rdzv.port}", "threads": torch.get_num_threads(),
+        "cpus_allowed": sorted(os.sched_getaffinity(0)),  # what a scheduler's cgroup or binding left it
         **{k: os.environ[k] for k in ("SLURMD_NODENAME", "SLURM_NODEID", "SLURM_LOCALID", "SLURM_STEP_GPUS",
                                       "GROUP_RANK", "LOCAL_RANK")
            if k in os.environ}}) + "\n")

@@ -14,10 +14,11 @@ What the script asks of Slurm, and why:
 - --nodes, --ntasks-per-node=1, --cpus-per-task=C: one batch slot per node
   holding C CPUs, C the most any plan node needs (launch/cpus.py: a worker's
   loaders and threads, a PS's threads). One step has one --cpus-per-task for
-  all its tasks, so CPUs per role cannot be asked task by task; the step's
-  tasks (--cpus-per-task=1 --cpu-bind=none) share their node's CPUs unbound
-  (a 22.05 step uses all the job's CPUs on its nodes unless --exact) and each
-  process takes the threads `cpus.threads` gives it.
+  all its tasks, so CPUs per role cannot be asked task by task; the step asks
+  none (srun's -c implies --exact since 21.08, which under cgroups would hold a
+  node's step to one CPU a task), so it holds all the job's CPUs on each node,
+  its tasks share them unbound (--cpu-bind=none) and each process takes the
+  threads `cpus.threads` gives it (`step_layout`).
 - --gpus-per-node (unless train.device = "cpu"). With PS on nodes of their
   own it would reserve GPUs there too, so such a job is heterogeneous
   (`#SBATCH hetjob`): a component of worker nodes with GPUs, then one of PS
@@ -134,7 +135,8 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
     return "\n".join([
         "#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch),
         "# Written by scaletrain. CPUs a node (launch/cpus.py): a worker's loaders and threads, a PS's threads",
-        "# (it also takes what its node's workers leave); the processes of a node share its CPUs unbound.",
+        "# (it also takes what its node's workers leave); the job step holds every CPU the job has on a node,",
+        "# which the node's processes share unbound.",
         *(f"#   {node_name(n.node)}: {n.words()} = {n.cpus} CPUs" for n in needs),
         *([f"# {checked}"] if checked else []),
         *(["# GPUs on worker nodes only: the PS nodes are a second component (hetjob) with none."]
@@ -206,8 +208,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     else:
         cmd += [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
         cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
-    # The batch slot's layout (one task a node) is not the step's: srun would read it from there.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_NTASKS_PER_NODE")}
+    env = step_env(os.environ)
     env.update(SCALETRAIN_THREADS=",".join(map(str, threads)), SCALETRAIN_PORT=str(port),
                **{LAUNCHED: str(time.time())}, **(script_env(run_dir, resume) if script else {}))
     if not het:  # srun takes a host file's hosts as every component's node list
@@ -279,12 +280,28 @@ def node_cpus(env, hosts: list[str]) -> list[int]:
     return [given[h] for h in hosts]
 
 
+# What the batch step's environment says of its own slot (one task a node, the node's CPUs), which
+# srun would take as the step's: a task count a node, or a CPU count a task (Slurm 21.08 reads
+# SLURM_CPUS_PER_TASK, 22.05 SRUN_CPUS_PER_TASK, later ones SLURM_TRES_PER_TASK), which implies --exact.
+BATCH_SLOT = ("SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "SLURM_TRES_PER_TASK",
+              "SLURM_EXACT")
+
+
+def step_env(env) -> dict[str, str]:
+    """The environment srun starts the step with: the batch step's, less what describes its slot."""
+    return {k: v for k, v in env.items() if not k.startswith(BATCH_SLOT)}
+
+
 def step_layout(plan, cfg, het: bool) -> list[str]:
-    """srun's options that put every process of the plan where the plan says. Each task asks one
-    CPU and is bound to none: the processes of a node share the job's CPUs there and take their
-    thread counts from SCALETRAIN_THREADS. A heterogeneous job (PS nodes without GPUs, after the
-    worker nodes) runs a component each, ranks in component order, so no host file is needed."""
-    each = ["--cpus-per-task=1", "--cpu-bind=none"]
+    """srun's options that put every process of the plan where the plan says. The step asks no CPU
+    count: srun's -c implies --exact (Slurm >= 21.08), and under cgroups (ConstrainCores) or task
+    binding an exact step holds one CPU a task on its node, a worker's loaders and a PS squeezed onto
+    them. Without it the step holds every CPU the job has on each of its nodes (what the script asked:
+    the plan node's need, launch/cpus.py), and --cpu-bind=none leaves the node's processes free to
+    share them, each taking its thread count from SCALETRAIN_THREADS. A heterogeneous job (PS nodes
+    without GPUs, after the worker nodes) runs a component each, ranks in component order, so no host
+    file is needed."""
+    each = ["--cpu-bind=none"]
     if not het:
         return [f"--ntasks={plan.world_size}", f"--nodes={plan.nodes_total}", "--distribution=arbitrary", *each]
     layout = []
