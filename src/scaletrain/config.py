@@ -72,6 +72,10 @@ class DataConfig:
     workers: int = opt(2, "background loader processes per replica (0 = load in the training process)",
                        lo=0, hi=64)
     prefetch: int = opt(2, "batches each loader process prepares ahead (1..16)", lo=1, hi=16)
+    decode: str = opt("loader", "where JPEGs are decoded, cropped and flipped: loader (its processes, on the host) | "
+                      "device (the loader processes read bytes; the training process decodes each batch on its "
+                      "device: nvJPEG through torchvision on a GPU, libjpeg-turbo on a CPU device; docs/data.md)",
+                      choices=("loader", "device"))
     synthetic_size: int = opt(4096, "synthetic: images per epoch (1..10^8)", lo=1, hi=100_000_000)
 
 

@@ -72,14 +72,21 @@ class Augment:
         bw, bh = (w, min(h, round(w / ASPECT[0]))) if w / h < ASPECT[0] else (min(w, round(h * ASPECT[1])), h)
         return (h - bh) // 2, (w - bw) // 2, bh, bw
 
-    def loader_ops(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """crop and flip on HWC uint8 pixels: index arithmetic, no arithmetic on values."""
+    def moves(self, u: torch.Tensor, size: int) -> tuple[int, int, int]:
+        """(dy, dx, flip) of crop and flip for an input of side `size`: what loader_ops does, as numbers,
+        for the device's batched version of it (device_input.move)."""
+        dy = dx = 0
         if "crop" in self.names:
-            size = x.shape[0]
             pad = max(1, size // 8)
             dy, dx = (int(v * (2 * pad + 1)) - pad for v in u[_CROP:_CROP + 2].tolist())
+        return dy, dx, int("flip" in self.names and bool(u[_FLIP] < 0.5))
+
+    def loader_ops(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """crop and flip on HWC uint8 pixels: index arithmetic, no arithmetic on values."""
+        dy, dx, flip = self.moves(u, x.shape[0])
+        if dy or dx:
             x = _shift(_shift(x, dy, 0), dx, 1)
-        if "flip" in self.names and u[_FLIP] < 0.5:
+        if flip:
             x = x.flip(1)
         return x
 

@@ -2,7 +2,7 @@
 
 build_datasets makes the (train, test, class names) a job's processes train and evaluate on;
 check_data raises, before any process starts, the DataError (or, for a user's dataset named by
-import path, the ConfigError) they would meet doing so.
+import path or a GPU decode without torchvision, the ConfigError) they would meet doing so.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from ..errors import DataError
 from ..imports import is_import_path
+from .device_input import torchvision_io
 from .shards import open_shards
 from .sources import FileDataset, digits, file_lists, synthetic
 from .user import user_datasets
@@ -42,6 +43,8 @@ def check_data(cfg, run_dir: Path | None = None) -> None:
     sample of each split read (user.py). With run_dir, a manifest's check is recorded there
     (file_lists), so that the job's chief does not make it again."""
     d = cfg.data
+    if d.decode == "device" and cfg.train.device != "cpu" and torch.cuda.device_count():
+        torchvision_io()  # the job's processes will decode on their GPUs: torchvision must import there
     if is_import_path(d.name):
         user_datasets(cfg)
     elif d.name == "digits":

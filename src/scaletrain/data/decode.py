@@ -75,13 +75,20 @@ def load(data: bytes, box_of, size: int) -> torch.Tensor:
     The decode is reduced by the largest power of two (2, 4, 8; the scales libjpeg-turbo
     decodes fastest) that leaves the box at least `size` pixels on each side."""
     w, h = image_size(data)
-    top, left, bh, bw = box_of(w, h)
+    box = box_of(w, h)
+    pixels = decode(data, least_size(box, (w, h), size))
+    return fit(torch.from_numpy(pixels), reduced_box(box, (w, h), pixels.shape[1::-1]), size)
+
+
+def least_size(box: tuple[int, int, int, int], full: tuple[int, int], size: int) -> tuple[int, int]:
+    """The (width, height) a decode of a (width, height) image may shrink to, as decode's min_size: by the
+    largest power of two (2, 4, 8; the scales libjpeg-turbo decodes fastest) that leaves the box
+    (top, left, height, width) at least `size` pixels on each side; (0, 0), full size, when none does."""
+    (_, _, bh, bw), (w, h) = box, full
     k = 1
     while k < 8 and min(bw, bh) >= 2 * k * size:
         k *= 2
-    pixels = decode(data, (-(-w // k), -(-h // k)) if k > 1 else (0, 0))
-    box = reduced_box((top, left, bh, bw), (w, h), pixels.shape[1::-1])
-    return fit(torch.from_numpy(pixels), box, size)
+    return (-(-w // k), -(-h // k)) if k > 1 else (0, 0)
 
 
 def reduced_box(box: tuple[int, int, int, int], full: tuple[int, int], reduced: tuple[int, int]):

@@ -11,7 +11,8 @@ stretch of the epoch, read front to back (shards.py); the step still fixes
 the position.
 
 Loader processes hand over uint8 pixels (HWC), a quarter of the bytes of
-float32; Prepare turns them into the network's input on the device.
+float32, or with data.decode = "device" the JPEGs' bytes (device_input.py);
+Prepare turns them into the network's input on the device.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from ..launch.fork import die_with_parent
 from . import decode
 from .augment import Augment, centre, on_device
+from .device_input import DeviceBatches, Encoded, Jpeg, collate_encoded, decoder_for, to_device, torchvision_io
 from .sources import BadImage
 
 
@@ -71,10 +73,14 @@ class ShardedBatches:
 
 class Samples(torch.utils.data.Dataset):
     """(index, epoch) -> (HWC uint8 pixels of side `size`, label, device parameters), or a
-    BadImage naming the sample when it cannot be read or decoded."""
+    BadImage naming the sample when it cannot be read or decoded.
 
-    def __init__(self, base, size: int, augment: Augment | None = None) -> None:
-        self.base, self.size, self.augment = base, size, augment
+    encoded (data.decode = "device"): a JPEG comes as a device_input.Jpeg (its bytes, and the box its
+    header and draws give), other images as pixels fitted but not moved, and a fourth item, the
+    sample's crop shift and flip (Augment.moves), for the device to apply to the batch."""
+
+    def __init__(self, base, size: int, augment: Augment | None = None, encoded: bool = False) -> None:
+        self.base, self.size, self.augment, self.encoded = base, size, augment, encoded
 
     def __len__(self) -> int:
         return len(self.base)
@@ -86,27 +92,34 @@ class Samples(torch.utils.data.Dataset):
         box = (lambda w, h: a.box(u, w, h)) if a else centre
         try:
             raw, y = self.base[i]  # encoded bytes, or pixels already decoded (HWC uint8)
-            x = decode.load(raw, box, self.size) if isinstance(raw, bytes) else \
-                decode.fit(raw, box(raw.shape[1], raw.shape[0]), self.size)
+            if self.encoded and isinstance(raw, bytes) and raw[:2] == decode.JPEG_MAGIC:
+                w, h = decode.image_size(raw)  # the header alone: the pixels are the device's to decode
+                x = Jpeg(raw, box(w, h), (w, h), self.size, self.base.name(i))
+            else:
+                x = decode.load(raw, box, self.size) if isinstance(raw, bytes) else \
+                    decode.fit(raw, box(raw.shape[1], raw.shape[0]), self.size)
         except Exception as e:  # noqa: BLE001 - any read or decoder failure is a bad image
             return BadImage(self.base.name(i), f"{type(e).__name__}: {e}")
-        if a is None:
-            return x, y, None
-        return a.loader_ops(x, u), y, a.device_params(u) if a.on_device else None
+        params = a.device_params(u) if a is not None and a.on_device else None
+        if self.encoded:
+            return x, y, params, a.moves(u, self.size) if a is not None else (0, 0, 0)
+        return (x, y, None) if a is None else (a.loader_ops(x, u), y, params)
 
 
 @dataclass
 class Batch:
-    x: torch.Tensor  # N x H x W x 3 uint8
+    x: torch.Tensor  # N x H x W x 3 uint8 (empty while `encoded` holds the images)
     y: torch.Tensor
     bad: list[BadImage]
     params: torch.Tensor | None = None  # N x augment.PARAMS, for the device's augmentations
+    encoded: Encoded | None = None  # data.decode = "device": the images, for device_input.to_device
 
     def pin_memory(self) -> "Batch":
         """Page-locked copies (the DataLoader calls this when pin_memory is on), so the copy to
         a GPU can overlap with compute (non_blocking)."""
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Batch(pin(self.x), pin(self.y), self.bad, pin(self.params))
+        return Batch(pin(self.x), pin(self.y), self.bad, pin(self.params),
+                     self.encoded and self.encoded.pin_memory())
 
 
 def collate(items) -> Batch:
@@ -115,7 +128,10 @@ def collate(items) -> Batch:
     if not good:
         return Batch(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.long), bad)
     params = torch.stack([g[2] for g in good]) if good[0][2] is not None else None
-    return Batch(torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), bad, params)
+    y = torch.tensor([g[1] for g in good])
+    if len(good[0]) == 4:  # Samples(encoded=True)
+        return Batch(torch.empty(0, dtype=torch.uint8), y, bad, params, collate_encoded(good))
+    return Batch(torch.stack([g[0] for g in good]), y, bad, params)
 
 
 class Prepare:
@@ -152,17 +168,35 @@ def make_loader(dataset, sampler, workers: int, prefetch: int, pin: bool) -> tor
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kw)
 
 
-def train_loader(train_set, cfg, start: int, stop: int, world: int = 1, rank: int = 0, pin: bool = False):
+def device_loader(loader, cfg, pin: bool, device: torch.device | None = None):
+    """The loader as the training process iterates it: on a CUDA device (pin; the process's current one
+    unless `device` says) its batches come to the device one ahead on a side stream, and with
+    data.decode = "device" are decoded there (device_input.DeviceBatches); a host-decoded loader on the
+    CPU is left as it is."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if pin else torch.device("cpu"))
+    encoded = cfg.data.decode == "device"
+    if not encoded and device.type == "cpu":
+        return loader
+    decoder = decoder_for(device) if encoded else None
+    if encoded and device.type == "cuda":
+        torchvision_io()  # a missing torchvision is named now, before the first step
+    return DeviceBatches(loader, partial(to_device, device=device, decoder=decoder), device)
+
+
+def train_loader(train_set, cfg, start: int, stop: int, world: int = 1, rank: int = 0, pin: bool = False,
+                 device: torch.device | None = None):
     d = cfg.data
     sampler = ShardedBatches(len(train_set), d.batch_size, world, rank, cfg.train.seed, start, stop,
                              order=getattr(train_set, "epoch_order", None))
-    ds = Samples(train_set, d.image_size, Augment(d.augment, cfg.train.seed) if d.augment else None)
-    return make_loader(ds, sampler, d.workers, d.prefetch, pin), sampler
+    ds = Samples(train_set, d.image_size, Augment(d.augment, cfg.train.seed) if d.augment else None,
+                 encoded=d.decode == "device")
+    return device_loader(make_loader(ds, sampler, d.workers, d.prefetch, pin), cfg, pin, device), sampler
 
 
-def test_loader(test_set, cfg, pin: bool = False, rank: int = 0, world: int = 1):
+def test_loader(test_set, cfg, pin: bool = False, rank: int = 0, world: int = 1, device: torch.device | None = None):
     """This worker's slice of the test set (every world-th image from `rank`): the workers
     evaluate their slices at once and sum what they count."""
     mine, b = list(range(rank, len(test_set), world)), max(cfg.data.batch_size, 64)
     batches = [[(i, 0) for i in mine[lo:lo + b]] for lo in range(0, len(mine), b)]
-    return make_loader(Samples(test_set, cfg.data.image_size), batches, cfg.data.workers, cfg.data.prefetch, pin)
+    ds = Samples(test_set, cfg.data.image_size, encoded=cfg.data.decode == "device")
+    return device_loader(make_loader(ds, batches, cfg.data.workers, cfg.data.prefetch, pin), cfg, pin, device)
