@@ -62,7 +62,7 @@ class Encoded:
 
     def pin_memory(self) -> "Encoded":
         # the JPEG bytes stay pageable: nvJPEG and libjpeg-turbo read them on the host
-        return replace(self, pixels=self.pixels.pin_memory())
+        return replace(self, pixels=self.pixels.pin_memory(), moves=self.moves.pin_memory())
 
 
 def collate_encoded(good: list) -> Encoded:
@@ -170,7 +170,7 @@ def move(x: torch.Tensor, moves: torch.Tensor) -> torch.Tensor:
     (dy, dx) = moves[k, :2], reflected at the border, then mirrored left-right when moves[k, 2]."""
     n, s = x.shape[:2]
     i = torch.arange(s, device=x.device)
-    dy, dx, flip = moves.to(x.device).unbind(1)
+    dy, dx, flip = moves.to(x.device, non_blocking=True).unbind(1)
     rows = _reflect(i + dy[:, None], s)
     cols = _reflect(torch.where(flip[:, None].bool(), s - 1 - i, i) + dx[:, None], s)
     return x[torch.arange(n, device=x.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
@@ -197,7 +197,7 @@ def decode_batch(e: Encoded, device: torch.device, decoder=None) -> tuple[torch.
     keep = sorted(parts)
     x = torch.stack([parts[k] for k in keep]) if keep else \
         torch.empty(0, e.size, e.size, 3, dtype=torch.uint8, device=device)
-    moves = e.moves[keep]
+    moves = e.moves[keep] if failed else e.moves
     return (move(x, moves) if len(keep) and bool(moves.any()) else x), keep, failed
 
 
@@ -209,9 +209,10 @@ def to_device(batch, device: torch.device, decoder=None):
     if e is None:
         return replace(batch, x=move_(batch.x), y=move_(batch.y), params=move_(batch.params))
     x, keep, failed = decode_batch(e, device, decoder)
-    params = None if batch.params is None else batch.params[keep]
-    return replace(batch, x=x, y=move_(batch.y[keep]), bad=list(batch.bad) + failed, params=move_(params),
-                   encoded=None)
+    y, params = batch.y, batch.params
+    if failed:  # new host tensors (pageable): only when a sample is dropped
+        y, params = y[keep], None if params is None else params[keep]
+    return replace(batch, x=x, y=move_(y), bad=list(batch.bad) + failed, params=move_(params), encoded=None)
 
 
 class DeviceBatches:
