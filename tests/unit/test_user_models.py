@@ -4,6 +4,8 @@ weights, and the performance model's gradient size. The networks are in tests/us
 tests/ is on sys.path under pytest, so this process imports them."""
 
 import importlib
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, build_config, dump_toml, load_config
 from scaletrain.errors import ModelError, ModelNameError, PretrainedError
 from scaletrain.models import build_model, check_network, final_layer, load_pretrained
+from scaletrain.models.factory import extra_command, torch_index, torchvision_for
 from scaletrain.perfmodel.profile import Profile, dump_profile, load_profile
 from scaletrain.perfmodel.setup import check_workload, param_numels
 
@@ -74,9 +77,55 @@ def test_a_missing_optional_package_names_its_install_command(tmp_path, capsys, 
         pytest.skip(f"{package} imports here")
     assert main(train_args(tmp_path, f"model.name={package}:resnet18")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"scaletrain: error: model.name = '{package}:resnet18' needs the "
-                                               f"{package} package, which does not import here ("), err
-    assert err[0].endswith(f"): pip install 'scaletrain[{package}]'"), err
+    assert len(err) == 1 and err[0].startswith(f"scaletrain: error: model.name = '{package}:resnet18' needs "), err
+    # the command keeps the torch there (its own version pinned) and takes the torchvision made for it;
+    # `pip install 'scaletrain[torchvision]'` would replace that torch by PyPI's newest
+    v = torch.__version__
+    assert err[0].endswith(f"keeping that torch: {extra_command([package], v)}"), err
+    assert f"'torch=={v}'" in err[0] and f"'torchvision=={torchvision_for(v)}.*'" in err[0]
+    assert "scaletrain[" not in err[0]
+    if importlib.util.find_spec(package) is None:
+        assert "which is not installed" in err[0], err
+
+
+def test_the_torchvision_of_a_torch_release():
+    assert torchvision_for("2.13.0+cpu") == "0.28" and torchvision_for("2.4.1") == "0.19"
+    assert torchvision_for("2.0.1") == "0.15" and torchvision_for("2.5.0a0+872d972e41.nv24.08") == "0.20"
+    assert torchvision_for("3.0.0") is None and torchvision_for("1.13.1") is None
+    assert torch_index("2.13.0+cpu") == "https://download.pytorch.org/whl/cpu"
+    assert torch_index("2.5.1+cu124") == "https://download.pytorch.org/whl/cu124"
+    assert torch_index("2.11.0") is None and torch_index("2.5.0a0+872d972e41.nv24.08") is None
+    assert extra_command(["torchvision"], "2.5.1+cu124") == (
+        "pip install 'torchvision==0.20.*' 'torch==2.5.1+cu124' --extra-index-url https://download.pytorch.org/whl/cu124")
+    assert extra_command(["timm"], "2.11.0", replace_torchvision=True) == (
+        "pip uninstall -y torchvision && pip install timm 'torchvision==0.26.*' 'torch==2.11.0'")
+
+
+@pytest.fixture(scope="module")
+def wrong_torchvision(tmp_path_factory):
+    """A real torchvision built for another torch than this one: PyPI's wheel of the matching release
+    (built for PyPI's CUDA torch) beside this CPU build, as a pip install under a constraint leaves it."""
+    if not torch.__version__.endswith("+cpu") or importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("needs a CPU build of torch without torchvision")
+    site = tmp_path_factory.mktemp("site")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
+                        "--target", str(site), f"torchvision=={torchvision_for(torch.__version__)}.*"],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        pytest.skip(f"no torchvision wheel to be had: {r.stderr.strip()[-300:]}")
+    return site
+
+
+def test_a_torchvision_built_for_another_torch_is_told_apart_with_its_fix(tmp_path, wrong_torchvision):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wrong_torchvision), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "scaletrain.cli", *train_args(tmp_path, "model.name=torchvision:resnet18")],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    v = torch.__version__
+    assert "needs torchvision, which is installed but does not import against torch " + v in err[0], err
+    assert "operator torchvision::nms does not exist" in err[0]
+    assert err[0].endswith(f"keeping that torch: pip uninstall -y torchvision && {extra_command(['torchvision'], v)}")
 
 
 def test_the_core_imports_neither_optional_package():

@@ -2,9 +2,11 @@
 
 An import path is "package.module:factory", "torchvision:NAME" or "timm:NAME". The factory is
 called as factory(num_classes=model.num_classes, **model.args) and must return a torch.nn.Module
-whose output for a batch of images is (batch, num_classes). torchvision and timm are optional
-extras: imported here only when a name asks for one, never at module level (the core runs without
-them: torchvision has no CPU build on the project's machines).
+whose output for a batch of images is (batch, num_classes). torchvision and timm are optional:
+imported here only when a name asks for one, never at module level (the core runs without them:
+torchvision has no CPU build on the project's machines). A torchvision works only with the torch
+it was built for, so where one is missing or built for another torch the error gives the command
+that installs the matching one and keeps the torch there (extra_error).
 
 Every way such a name can fail is a ModelNameError of one line naming model.name. The launcher
 builds the network once, on CPU, before it starts any process (check_network), so that the error
@@ -13,6 +15,7 @@ is found there and not in a process's log.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -88,10 +91,54 @@ def _extra(cfg, package: str, name: str):
     """torchvision's or timm's constructor of the network NAME, and the start of its call."""
     try:
         if package == "torchvision":
-            import torchvision.models  # optional extra: scaletrain[torchvision]
+            import torchvision.models  # optional: only a torchvision: name needs it
             return partial(torchvision.models.get_model, name), f"torchvision.models.get_model({name!r}, "
-        import timm  # optional extra: scaletrain[timm]
+        import timm  # optional: only a timm: name needs it
         return partial(timm.create_model, name), f"timm.create_model({name!r}, "
     except Exception as e:  # noqa: BLE001 - missing, or installed but broken (e.g. built for another torch)
-        raise ModelNameError(f"{_where(cfg)} needs the {package} package, which does not import here "
-                             f"({one_line(e)}): pip install 'scaletrain[{package}]'") from None
+        raise ModelNameError(f"{_where(cfg)} {extra_error(package, e, torch.__version__)}") from None
+
+
+def torchvision_for(torch_version: str) -> str | None:
+    """The torchvision release series built for a torch release ("2.13.0+cu128" -> "0.28"): since torch
+    2.0 (torchvision 0.15) each torch minor has its own torchvision minor, 15 above. None for a torch
+    the rule does not know."""
+    m = re.match(r"(\d+)\.(\d+)", torch_version)
+    if not m or int(m[1]) != 2:
+        return None
+    return f"0.{int(m[2]) + 15}"
+
+
+def torch_index(torch_version: str) -> str | None:
+    """The package index of PyTorch's builds of a torch with a local tag (+cpu, +cu128, +rocm6.4), where
+    its matching torchvision is; None for PyPI's own build (no tag)."""
+    tag = torch_version.partition("+")[2]
+    return f"https://download.pytorch.org/whl/{tag}" if re.fullmatch(r"cpu|cu\d+|rocm[\d.]+", tag) else None
+
+
+def extra_command(packages: list[str], torch_version: str, replace_torchvision: bool = False) -> str:
+    """One command line installing `packages` (torchvision, timm) against the torch installed, never
+    replacing it: that torch's own version is a requirement pip finds met, beside the torchvision made
+    for it, from PyTorch's index of that build (a torchvision of PyPI's is built for PyPI's torch).
+    replace_torchvision: uninstall the torchvision there first (one built for another torch)."""
+    tv = torchvision_for(torch_version)
+    wanted = [*(["timm"] if "timm" in packages else []), f"'torchvision=={tv}.*'" if tv else "torchvision",
+              f"'torch=={torch_version}'"]
+    index = torch_index(torch_version)
+    return ("pip uninstall -y torchvision && " if replace_torchvision else "") + \
+        f"pip install {' '.join(wanted)}" + (f" --extra-index-url {index}" if index else "")
+
+
+def extra_error(package: str, error: BaseException, torch_version: str) -> str:
+    """Why a torchvision: or timm: name cannot be built here, and the one command line that fixes it,
+    keeping the torch there: the package (or the torchvision timm imports) is not installed, or it is
+    but does not import against this torch (a torchvision built for another torch says "operator
+    torchvision::nms does not exist")."""
+    tv = torchvision_for(torch_version)
+    made_for = f"torchvision {tv}" if tv else "the torchvision release made for it"
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in (package, "torchvision"):
+        return (f"needs {error.name.split('.')[0]}, which is not installed; for torch {torch_version} ({made_for}), "
+                f"keeping that torch: {extra_command([package], torch_version)}")
+    return (f"needs {package}, which is installed but does not import against torch {torch_version} "
+            f"({one_line(error)}): that torch needs {made_for}, built for it; keeping that torch: "
+            f"{extra_command([package], torch_version, replace_torchvision=True)}")
