@@ -13,7 +13,7 @@ from . import doctor
 from .config import field_docs, load_config
 from .data.shards import pack, parse_size
 from .errors import REPORTED, ConfigError, GridError, UntilError
-from .launch import env as launch_env, preflight, slurm, supervise, torchrun
+from .launch import env as launch_env, flags, preflight, slurm, supervise, torchrun
 from .launch.env import plan_for
 from .launch.join import exit_now
 from .models import check_network
@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--no-requeue", action="store_true", help="a job stopped by the warning ends (no requeue)")
     sl.add_argument("--mem", default="", help="memory a node, e.g. 120G (default: the partition's default)")
     sl.add_argument("--exclusive", action="store_true", help="whole nodes: every CPU and all memory of each node")
+    sl.add_argument("--node-cpus", type=int, metavar="N", help="the cluster's nodes have N CPUs: check the job "
+                    "against that shape instead of sinfo's (away from the cluster)")
+    sl.add_argument("--node-gpus", type=int, metavar="G", help="the cluster's nodes have G GPUs (checked as --node-cpus)")
+    sl.add_argument("--node-mem", default="", metavar="SIZE", help="the cluster's nodes have SIZE memory, e.g. 500G")
     sl.add_argument("--setup", action="append", default=[], metavar="LINE",
                     help="a shell line the job runs before it starts, e.g. 'module load cuda/12.4' (repeatable; "
                          "after cluster.setup's; srun passes the environment on to every process)")
@@ -259,20 +263,21 @@ def _slurm(args, cfg, run_dir: Path) -> int:
     cfg = preflight.absolute_paths(cfg, Path.cwd())  # every node reads them, from wherever the job runs
     if args.setup:
         cfg = cfg.replace(**{"cluster.setup": [*cfg.cluster.setup, *args.setup]})
-    found = preflight.partition_nodes(args.partition)
-    if isinstance(found, str):
-        checked = f"Partition's nodes unknown ({found}): CPUs, GPUs and memory not checked."
+    plan = plan_for(cfg)
+    checked, known = preflight.check_nodes(plan, cfg, args.partition, args.mem, args.node_cpus, args.node_gpus,
+                                           args.node_mem)
+    if not known:
         print(f"scaletrain: {checked}", file=sys.stderr)
-    else:
-        name, nodes = found
-        preflight.check_fit(plan_for(cfg), cfg, name, nodes, args.mem)
-        checked = f"Fits partition {name}'s nodes (sinfo: {preflight.describe(nodes)})."
     run_dir = run_dir.resolve()
     check_network(cfg)  # a network by import path that fails here would fail on every node, after the queue
+    pythonpath, warnings = flags.job_flags(cfg, plan, run_dir, preflight.parts(plan, cfg)[0].gpus)
     prepare_run_dir(run_dir, args.resume, cfg)
     path = slurm.write(cfg, run_dir, partition=args.partition, time=args.time, account=args.account,
                        warn_before=args.warn_before, requeue=not args.no_requeue, resume=args.resume,
-                       mem=args.mem, exclusive=args.exclusive, checked=checked)
+                       mem=args.mem, exclusive=args.exclusive, checked=checked, pythonpath=pythonpath,
+                       warnings=warnings)
+    for line in warnings:  # the script's header has them too
+        print(f"scaletrain: warning: {line}", file=sys.stderr)
     print(f"wrote {path}")
     if not args.submit:
         print(f"submit it with: sbatch {path}")

@@ -1,16 +1,18 @@
 """The sbatch script and the checks before it, with no Slurm: CPU budget, components, refusals,
 paths, set-up lines, memory, network, and the lines `--wait` prints."""
 
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import RECIPES
+from conftest import RECIPES, ROOT
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
-from scaletrain.launch import cpus, preflight, slurm
+from scaletrain.launch import cpus, flags, preflight, slurm
 from scaletrain.launch.join import launcher_threads
 from scaletrain.launch.env import LaunchError, plan_for
 from scaletrain.launch.follow import state_line
@@ -179,3 +181,132 @@ def test_the_step_holds_every_cpu_the_job_has_on_its_nodes():
     batch = {"SLURM_CPUS_PER_TASK": "13", "SRUN_CPUS_PER_TASK": "13", "SLURM_EXACT": "1", "SLURM_TRES_PER_TASK": "cpu=13",
              "SLURM_NTASKS_PER_NODE": "1", "SLURM_NTASKS_PER_NODE_PACK_GROUP_0": "1", "SLURM_JOB_ID": "7", "PATH": "/bin"}
     assert slurm.step_env(batch) == {"SLURM_JOB_ID": "7", "PATH": "/bin"}
+
+
+def anp_dir(tmp_path, monkeypatch):
+    """A working directory with the study recipe's paths, as a user's checkout would have them."""
+    for name in ("weights/resnet50-imagenet.safetensors", "data/anp/train.csv", "data/anp/test.csv"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+
+
+def slurm_cli(run_dir, *args, overrides=()):
+    return main(["slurm", "--recipe", str(RECIPES / "anp-resnet50.toml"), "--run-dir", str(run_dir), *args,
+                 *(a for o in [*STUDY, *overrides] for a in ("--set", o))])
+
+
+def test_a_stated_node_shape_checks_the_script_away_from_the_cluster(tmp_path, monkeypatch, capsys):
+    """No sinfo (none is asked): --node-cpus 16 --node-gpus 4 writes a script that fits those nodes, or
+    refuses in one line naming the fix, nothing written; what the shape leaves out is said unchecked."""
+    anp_dir(tmp_path, monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo on the way
+    assert slurm_cli(tmp_path / "wide", "--node-cpus", "16", "--node-gpus", "4", overrides=["data.workers=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["scaletrain: error: node 2 needs 17 CPUs (4 workers x (3 loaders + 1 thread) + PS 0 (1 thread at "
+                   "least)); the nodes stated have 16: lower data.workers to 2 or use ps_placement = dedicated"], err
+    assert not (tmp_path / "wide" / "job.sbatch").exists()
+    assert slurm_cli(tmp_path / "fits", "--node-cpus", "16", "--node-gpus", "4") == 0
+    lines = (tmp_path / "fits" / "job.sbatch").read_text().splitlines()
+    assert "#SBATCH --cpus-per-task=13" in lines and "#SBATCH --gpus-per-node=4" in lines
+    assert ("# Fits the nodes stated (--node-cpus 16 --node-gpus 4); memory not stated, not checked; the "
+            "partition's node count is not checked.") in lines
+    assert "Partition's nodes unknown" not in capsys.readouterr().err
+    assert slurm_cli(tmp_path / "gpus", "--node-cpus", "16", "--node-gpus", "2") == 2
+    assert capsys.readouterr().err.strip().endswith("the job asks 4 GPUs a node (cluster.gpus_per_node); the nodes "
+                                                    "stated have 2: lower cluster.gpus_per_node")
+    assert slurm_cli(tmp_path / "mem", "--node-mem", "100G", "--mem", "200G") == 2
+    assert capsys.readouterr().err.strip().endswith("--mem 200G is more than the nodes stated have (102400 MB): lower "
+                                                    "--mem, or use --exclusive")
+    assert slurm_cli(tmp_path / "bad", "--node-mem", "lots") == 2
+    assert "--node-mem 'lots': give a size such as 120G" in capsys.readouterr().err
+    # Neither stated nor listed: said, and how to state them.
+    assert slurm_cli(tmp_path / "unknown") == 0
+    assert ("scaletrain: Partition's nodes unknown (sinfo not found): CPUs, GPUs and memory not checked; "
+            "--node-cpus, --node-gpus and --node-mem state them.") in capsys.readouterr().err
+
+
+def test_a_run_directory_each_node_has_its_own_of_is_flagged(tmp_path):
+    mounts = ("/dev/vda1 / ext4 rw 0 0\nserver:/home /home nfs4 rw 0 0\n10.0.0.1@o2ib:/scratch /scratch lustre rw 0 0\n"
+              "tmpfs /scratch/local tmpfs rw 0 0\nserver:/x /mnt/my\\040share nfs rw 0 0\n")
+    assert flags.node_local(Path("/home/u/runs/a"), mounts) == ""
+    assert flags.node_local(Path("/scratch/u/runs"), mounts) == ""
+    assert flags.node_local(Path("/mnt/my share/runs"), mounts) == ""
+    assert flags.node_local(Path("/scratch/local/runs"), mounts) == \
+        "it is on a tmpfs file system (/scratch/local), local to this machine"
+    assert flags.node_local(Path("/srv/runs"), mounts) == "it is on a ext4 file system (/), local to this machine"
+    for top in ("/tmp", "/var/tmp", "/dev/shm"):
+        assert flags.node_local(Path(top) / "runs", mounts) == f"it is under {top}, which each node has its own of"
+    [flag] = flags.run_dir_flag(Path("/srv/runs/a"), mounts)
+    assert flag.startswith("run directory /srv/runs/a: it is on a ext4 file system (/), local to this machine; the "
+                           "job's nodes read its config.toml") and "shared file system" in flag
+    assert flags.run_dir_flag(Path("/home/u/runs"), mounts) == []
+
+
+def test_flags_are_printed_and_in_the_scripts_header(tmp_path, capsys):
+    """`scaletrain slurm` warns (exit 0, script written) of a run directory under /tmp and of too few
+    loaders a GPU, on stderr and in the script's header."""
+    run_dir = tmp_path / "run"
+    assert main(["slurm", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--node-cpus", "8",
+                 "--set", "data.workers=0"]) == 0
+    err = capsys.readouterr().err
+    text = (run_dir / "job.sbatch").read_text()
+    flag = f"run directory {run_dir}: it is under /tmp, which each node has its own of"
+    assert f"scaletrain: warning: {flag}" in err and f"# Warning: {flag}" in text
+    assert "loader" not in err  # digits: no JPEG decoded on the host; the recipe trains on the CPU
+
+
+def test_loaders_a_gpu_below_what_the_network_needs_are_flagged_with_the_figure():
+    cfg = study()  # 2 loaders a GPU, ResNet-50 at 224 px from JPEG files
+    plan = plan_for(cfg)
+    busiest = cpus.node_needs(plan, cfg)[1]
+    [flag] = flags.loader_flag(cfg, 4, busiest, flags.RESNET50_FLOPS)
+    assert flag == ("data.workers = 2 loader processes a GPU, below the 5 a current GPU needs: resnet50 at 224 px, "
+                    "trains at about 2,500 img/s a GPU, and one loader core decodes 595 img/s from files: 4.2 cores' "
+                    f"worth ({flags.INPUT_BENCHMARK}); raise data.workers to 5 (its busiest node then needs 25 CPUs) "
+                    "or set data.decode = device")
+    assert flags.loaders_needed(study("data.name=shards", "data.root=/s"), flags.RESNET50_FLOPS)[0] == 4  # 3.4
+    heavy = flags.loaders_needed(cfg, 2 * flags.RESNET50_FLOPS)  # half the GPU's rate: 2.1 cores
+    assert heavy[0] == 3 and flags.loader_flag(study("data.workers=3"), 4, busiest, 2 * flags.RESNET50_FLOPS) == []
+    assert flags.loaders_needed(cfg, flags.RESNET50_FLOPS / 4)[0] == 5  # a lighter network: at least as fast
+    for quiet in (study("data.workers=5"), study("data.decode=device"), study("data.name=synthetic", "data.root=",
+                                                                              "data.test_root=")):
+        assert flags.loader_flag(quiet, 4, busiest, flags.RESNET50_FLOPS) == []
+    assert flags.loader_flag(cfg, 0, busiest, flags.RESNET50_FLOPS) == []  # no GPU
+    dirs, said = flags.job_flags(cfg, plan, Path("/home/u/run"), gpus=4, mounts="nfs:/home /home nfs rw 0 0\n")
+    assert dirs == [] and len(said) == 1 and said[0].startswith("data.workers = 2 loader processes a GPU")
+
+
+def test_the_loader_figures_are_the_input_benchmarks():
+    """The constants behind the flag are the file's figures, and ResNet-50's FLOPs are counted as for
+    the recipe's network."""
+    bench = json.loads((ROOT / flags.INPUT_BENCHMARK).read_text())
+    per_core = bench["images_per_sec_per_core"]
+    assert flags.LOADER_RATE == {"files": per_core["files/resized-crop+flip"]["median"],
+                                 "shards": per_core["shards/resized-crop+flip"]["median"]}
+    assert bench["cores_per_replica"][f"{flags.GPU_RATE:.0f} img/s"] == {
+        "files": round(flags.GPU_RATE / flags.LOADER_RATE["files"], 2),
+        "shards": round(flags.GPU_RATE / flags.LOADER_RATE["shards"], 2)}
+    counted = flags.network_flops(study())
+    assert abs(counted / flags.RESNET50_FLOPS - 1) < 0.005, counted
+
+
+def test_an_import_path_network_s_directory_is_on_the_scripts_pythonpath(tmp_path, capsys):
+    """tests/ holds user_models.py (importable here through the test's path, as a user's through
+    PYTHONPATH): the script exports it before it starts the job, after the set-up lines, and says
+    when that directory is this machine's own."""
+    run_dir = tmp_path / "run"
+    assert main(["slurm", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run_dir), "--node-cpus", "8",
+                 "--setup", "module load x", "--set", "model.name=user_models:plain"]) == 0
+    lines = (run_dir / "job.sbatch").read_text().splitlines()
+    at = lines.index(f"export PYTHONPATH={ROOT / 'tests'}${{PYTHONPATH:+:$PYTHONPATH}}")
+    assert lines.index("module load x") < at < len(lines) - 1 and lines[-1].startswith("exec ")
+    local = flags.node_local(ROOT / "tests")
+    said = f"model.name = 'user_models:plain' imports from {ROOT / 'tests'}: {local}; put it on a shared file system"
+    assert (said in capsys.readouterr().err) == bool(local)
+    cfg = load_config(RECIPES / "digits.toml", ["data.name=nosuchmodule_xyz:make"])
+    dirs, said = flags.import_dirs(cfg)
+    assert dirs == [] and said == ["data.name = 'nosuchmodule_xyz:make': module nosuchmodule_xyz is not found here; "
+                                   "it must import on every node (installed in the job's environment, or its "
+                                   "directory on PYTHONPATH)"]
+    assert flags.import_dirs(load_config(RECIPES / "digits.toml", ["model.name=torch.nn:Identity"])) == ([], [])

@@ -2,9 +2,10 @@
 run is refused here in one line instead of after its wait in the queue.
 
 - Shape: what the job asks of each node (launch/cpus.py for CPUs; GPUs; --mem) against the
-  partition's nodes as `sinfo` lists them. Slurm itself would answer only "Requested node
-  configuration is not available", naming no node and no reason. Where sinfo is missing or does
-  not answer, that is said plainly and nothing is checked.
+  partition's nodes as `sinfo` lists them, or as --node-cpus, --node-gpus and --node-mem state
+  them (away from the cluster, where there is no sinfo). Slurm itself would answer only "Requested
+  node configuration is not available", naming no node and no reason. Where the nodes are neither
+  stated nor listed, that is said plainly and nothing is checked.
 - Paths: data.root, data.test_root and model.init_from are read by every node of the job, from
   wherever the job runs; a relative path would be read from the job's working directory. So they
   are made absolute here (from this directory, as a local run would read them) and must exist.
@@ -53,16 +54,36 @@ def parts(plan: Plan, cfg) -> list[Part]:
 @dataclass(frozen=True)
 class Node:
     name: str
-    cpus: int
-    gpus: int
-    mem_mb: int
+    cpus: int | None  # None: not known (a stated shape that leaves it out), not checked
+    gpus: int | None
+    mem_mb: int | None
 
 
-def mem_mb(text: str) -> int:
+STATED = "the nodes stated"
+
+
+def stated_nodes(plan: Plan, cfg, cpus: int | None = None, gpus: int | None = None, mem: str = "") -> list[Node]:
+    """As many nodes as the job needs, of the shape --node-cpus, --node-gpus and --node-mem state
+    (None or '': not stated). Their number is the cluster's to give: only the shape is checked."""
+    for flag, value in (("--node-cpus", cpus), ("--node-gpus", gpus)):
+        if value is not None and value < 0:
+            raise LaunchError(f"{flag} {value}: give a count >= 0")
+    mb = mem_mb(mem, "--node-mem") if mem else None
+    count = sum(p.nodes for p in parts(plan, cfg))
+    return [Node(f"stated{i}", cpus, gpus, mb) for i in range(count)]
+
+
+def stated_words(cpus: int | None, gpus: int | None, mem: str) -> str:
+    """'--node-cpus 16 --node-gpus 4' as given, for the script's header and messages."""
+    return " ".join(f"{flag} {value}" for flag, value in (("--node-cpus", cpus), ("--node-gpus", gpus),
+                                                          ("--node-mem", mem or None)) if value is not None)
+
+
+def mem_mb(text: str, flag: str = "--mem") -> int:
     """A Slurm memory size ('120G', '512M', '1T', '4000' = MB) in MB; LaunchError when not one."""
     m = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
     if not m:
-        raise LaunchError(f"--mem {text!r}: give a size such as 120G, 64000M or 1T")
+        raise LaunchError(f"{flag} {text!r}: give a size such as 120G, 64000M or 1T")
     return int(int(m.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 ** 2}[m.group(2)])
 
 
@@ -102,27 +123,36 @@ def partition_nodes(partition: str, run=subprocess.run) -> tuple[str, list[Node]
 
 
 def check_fit(plan: Plan, cfg, partition: str, nodes: list[Node], mem: str = "") -> None:
-    """LaunchError with one line when the partition lacks nodes that can hold the job."""
+    """LaunchError with one line when the partition (or, with partition = STATED, the node shape
+    stated) lacks nodes that can hold the job. What a node's shape leaves out is not checked."""
     want_mem = mem_mb(mem) if mem else 0
     taken: set[str] = set()
+    theirs = STATED if partition == STATED else f"partition {partition}'s nodes"
+    fix_gpus = "" if partition == STATED else " or choose a GPU partition (--partition)"
+
+    def at_least(have, want):
+        return have is None or have >= want
+
     for part in parts(plan, cfg):
         big = max(part.needs, key=lambda n: n.cpus)
-        fits = [n for n in nodes if n.cpus >= part.cpus and n.gpus >= part.gpus and n.mem_mb >= want_mem
-                and n.name not in taken]
+        fits = [n for n in nodes if at_least(n.cpus, part.cpus) and at_least(n.gpus, part.gpus)
+                and at_least(n.mem_mb, want_mem) and n.name not in taken]
         if len(fits) >= part.nodes:
             taken.update(n.name for n in fits[:part.nodes])
             continue
-        most_cpus = max(n.cpus for n in nodes)
+        known = [n for n in nodes if n.cpus is not None]
+        most_cpus = max((n.cpus for n in known), default=part.cpus)
         if most_cpus < part.cpus:
-            raise LaunchError(f"{node_name(big.node)} needs {part.cpus} CPUs ({big.words()}); partition {partition}'s "
-                              f"nodes have {_span(n.cpus for n in nodes)}: {_cpu_advice(cfg, big, most_cpus)}")
-        if max(n.gpus for n in nodes) < part.gpus:
-            raise LaunchError(f"the job asks {part.gpus} GPUs a node (cluster.gpus_per_node); partition {partition}'s "
-                              f"nodes have {_span(n.gpus for n in nodes)}: lower cluster.gpus_per_node or choose "
-                              f"a GPU partition (--partition)")
-        if want_mem and max(n.mem_mb for n in nodes) < want_mem:
-            raise LaunchError(f"--mem {mem} is more than partition {partition}'s nodes have "
-                              f"({_span(n.mem_mb for n in nodes)} MB): lower --mem, or use --exclusive")
+            raise LaunchError(f"{node_name(big.node)} needs {part.cpus} CPUs ({big.words()}); {theirs} "
+                              f"have {_span(n.cpus for n in known)}: {_cpu_advice(cfg, big, most_cpus)}")
+        gpus = [n.gpus for n in nodes if n.gpus is not None]
+        if gpus and max(gpus) < part.gpus:
+            raise LaunchError(f"the job asks {part.gpus} GPUs a node (cluster.gpus_per_node); {theirs} "
+                              f"have {_span(gpus)}: lower cluster.gpus_per_node{fix_gpus}")
+        mems = [n.mem_mb for n in nodes if n.mem_mb is not None]
+        if want_mem and mems and max(mems) < want_mem:
+            raise LaunchError(f"--mem {mem} is more than {theirs} have ({_span(mems)} MB): lower --mem, or use "
+                              f"--exclusive")
         raise LaunchError(f"the job needs {sum(p.nodes for p in parts(plan, cfg))} nodes of {part.cpus} CPUs"
                           f"{f' and {part.gpus} GPUs' if part.gpus else ''}; partition {partition} has "
                           f"{len(fits) + len(taken)} such nodes of {len(nodes)}: lower cluster.nodes or cluster.num_ps")
@@ -172,3 +202,27 @@ def absolute_paths(cfg, cwd: Path):
         if str(path) != value:
             sets[key] = str(path)
     return cfg.replace(**sets) if sets else cfg
+
+
+def check_nodes(plan: Plan, cfg, partition: str, mem: str = "", node_cpus: int | None = None,
+                node_gpus: int | None = None, node_mem: str = "", run=subprocess.run) -> tuple[str, bool]:
+    """(the script's line on what the job was checked against, whether it was checked at all). The
+    node shape when stated (sinfo is then not asked), else the partition's nodes by sinfo; a job that
+    does not fit is a LaunchError of one line naming the fix."""
+    if node_cpus is not None or node_gpus is not None or node_mem:
+        check_fit(plan, cfg, STATED, stated_nodes(plan, cfg, node_cpus, node_gpus, node_mem), mem)
+        said = stated_words(node_cpus, node_gpus, node_mem)
+        left = [w for w, v in (("CPUs", node_cpus), ("GPUs", node_gpus), ("memory", node_mem or None)) if v is None]
+        return (f"Fits the nodes stated ({said}){f'; {_and(left)} not stated, not checked' if left else ''}; "
+                "the partition's node count is not checked.", True)
+    found = partition_nodes(partition, run)
+    if isinstance(found, str):
+        return (f"Partition's nodes unknown ({found}): CPUs, GPUs and memory not checked; --node-cpus, --node-gpus "
+                "and --node-mem state them.", False)
+    name, nodes = found
+    check_fit(plan, cfg, name, nodes, mem)
+    return f"Fits partition {name}'s nodes (sinfo: {describe(nodes)}).", True
+
+
+def _and(words: list[str]) -> str:
+    return " and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]

@@ -74,7 +74,7 @@ from ..errors import EXIT_STOPPED
 from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
 from ..strategies import traits
-from . import cpus, fabric
+from . import cpus, fabric, flags
 from .env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
@@ -100,12 +100,17 @@ def time_seconds(text: str) -> int | None:
 
 def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "", time: str = "",
            account: str = "", warn_before: int = 300, requeue: bool = True, mem: str = "",
-           exclusive: bool = False, checked: str = "", env=os.environ) -> str:
+           exclusive: bool = False, checked: str = "", env=os.environ, pythonpath: list[str] | None = None,
+           warnings: list[str] | None = None) -> str:
     """The sbatch script: the plan's nodes with their CPUs and GPUs, then `scaletrain train` (which,
     in the batch step of an allocation, starts the job step below). checked: what the partition's
-    nodes were checked against, or why they were not (a comment line)."""
+    nodes were checked against, or why they were not (a comment line). pythonpath, warnings: the
+    directories an import-path network or dataset needs, and what launch/flags.py warns of (found
+    here when None)."""
     plan = plan_for(cfg)
     run_dir = run_dir.resolve()
+    if pythonpath is None or warnings is None:
+        pythonpath, warnings = flags.job_flags(cfg, plan, run_dir, parts(plan, cfg)[0].gpus)
     limit = time_seconds(time) if time else None
     if warn_before < 0:
         raise LaunchError(f"--warn-before {warn_before}: give seconds >= 0 (0 = no warning)")
@@ -139,6 +144,7 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
         "# which the node's processes share unbound.",
         *(f"#   {node_name(n.node)}: {n.words()} = {n.cpus} CPUs" for n in needs),
         *([f"# {checked}"] if checked else []),
+        *(f"# Warning: {w}" for w in warnings),
         *(["# GPUs on worker nodes only: the PS nodes are a second component (hetjob) with none."]
           if len(components) > 1 else []),
         *([] if mem or exclusive else ["# Memory: the partition's default (give --mem or --exclusive to choose)."]),
@@ -149,6 +155,9 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
         "# A requeued run (SLURM_RESTART_COUNT set) continues from the newest checkpoint.",
         *(["# Set-up (cluster.setup, --setup): runs in the batch step; srun passes the environment it makes "
            "to every task.", *cfg.cluster.setup, f"export {SETUP_DONE}=1"] if cfg.cluster.setup else []),
+        *(["# Where model.name's or data.name's module imports from (srun passes it to every task):",
+           f"export PYTHONPATH={shlex.quote(os.pathsep.join(pythonpath))}${{PYTHONPATH:+{os.pathsep}$PYTHONPATH}}"]
+          if pythonpath else []),
         f"mkdir -p {shlex.quote(str(run_dir / 'logs'))}",
         "exec " + shlex.join(cmd) + " ${SLURM_RESTART_COUNT:+--resume}", ""])
 
