@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--exclusive", action="store_true", help="whole nodes: every CPU and all memory of each node")
     sl.add_argument("--node-cpus", type=int, metavar="N", help="the cluster's nodes have N CPUs: check the job "
                     "against that shape instead of sinfo's (away from the cluster)")
-    sl.add_argument("--node-gpus", type=int, metavar="G", help="the cluster's nodes have G GPUs (checked as --node-cpus)")
+    sl.add_argument("--node-gpus", type=int, metavar="G", help="the cluster's nodes have G GPUs (as --node-cpus)")
     sl.add_argument("--node-mem", default="", metavar="SIZE", help="the cluster's nodes have SIZE memory, e.g. 500G")
     sl.add_argument("--setup", action="append", default=[], metavar="LINE",
                     help="a shell line the job runs before it starts, e.g. 'module load cuda/12.4' (repeatable; "

@@ -178,8 +178,9 @@ def test_the_step_holds_every_cpu_the_job_has_on_its_nodes():
     layout = slurm.step_layout(plan_for(cfg), cfg, het=False)
     assert layout == ["--ntasks=19", "--nodes=4", "--distribution=arbitrary", "--cpu-bind=none"]
     assert not any(o.startswith(("--cpus-per-task", "-c", "--exact")) for o in layout)
-    batch = {"SLURM_CPUS_PER_TASK": "13", "SRUN_CPUS_PER_TASK": "13", "SLURM_EXACT": "1", "SLURM_TRES_PER_TASK": "cpu=13",
-             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NTASKS_PER_NODE_PACK_GROUP_0": "1", "SLURM_JOB_ID": "7", "PATH": "/bin"}
+    batch = {"SLURM_CPUS_PER_TASK": "13", "SRUN_CPUS_PER_TASK": "13", "SLURM_EXACT": "1",
+             "SLURM_TRES_PER_TASK": "cpu=13", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NTASKS_PER_NODE_PACK_GROUP_0": "1",
+             "SLURM_JOB_ID": "7", "PATH": "/bin"}
     assert slurm.step_env(batch) == {"SLURM_JOB_ID": "7", "PATH": "/bin"}
 
 
