@@ -24,13 +24,14 @@ from .strategies.traits import REGISTRY
 log = logging.getLogger("scaletrain")
 
 # Keys that may change between a run and its resumption: how long to run and
-# how often to report, not what is being computed.
+# how often to report, not what is being computed. data.decode moves the same decode between the
+# loader and the device (nvJPEG's pixels may differ from libjpeg-turbo's by a rounding).
 RESUMABLE_CHANGES = {
     "train.steps", "train.epochs", "train.eval_every", "train.checkpoint_every", "train.checkpoint_every_s",
     "cluster.max_restarts", "cluster.stop_signals", "cluster.min_nodes",
     "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps", "train.target_accuracy",
     "train.target_loss",
-    "data.workers", "data.prefetch", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
+    "data.workers", "data.prefetch", "data.decode", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
 }
 
 

@@ -185,3 +185,13 @@ def test_node_count_may_change_on_resume_under_allreduce_only():
     with pytest.raises(CheckpointError, match=r"cluster.nodes \(3 -> 2\); a resume at another node count is "
                                               r"not defined for strategy.name = 'mixed-async'"):
         resume.check_config("ckpt-20.pt", flat("mixed-async", 3), flat("mixed-async", 2))
+
+
+def test_decode_may_move_between_loader_and_device_on_resume():
+    """A job decoding in its loaders may resume decoding on its GPU (and back): the same images."""
+    from scaletrain.config import build_config
+
+    def flat(decode):
+        return build_config({"data": {"decode": decode}}).flat()
+
+    assert resume.config_differences(flat("loader"), flat("device")) == []
