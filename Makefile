@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-docs docs test test-quick install slurm clean gpu-check
+.PHONY: demo demo-docs docs test test-quick install install-into-env slurm clean gpu-bundle gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,21 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Into a Python that already has torch (a CUDA build: a cluster's module, a conda env, an image),
+# keeping that torch: its own version is a requirement pip finds met, so pip neither upgrades nor
+# replaces it (constraints.txt's CPU pin is for this project's machines, and is not used here).
+#   make install-into-env PY=/path/to/python [EXTRAS=torchvision|timm]
+install-into-env:
+	@v=$$($(PY) -c 'import torch; print(torch.__version__)' 2>/dev/null) || \
+	  { echo "install-into-env: $(PY) has no torch that imports: install a build of torch in it first, or name the Python that has one (PY=...)"; exit 2; }; \
+	echo "install-into-env: $(PY) keeps torch $$v"; \
+	$(PY) -m pip install --disable-pip-version-check -e '.[test]' "torch==$$v"
+ifdef EXTRAS
+	@cmd=$$($(PY) -c 'import sys, torch; from scaletrain.models.factory import extra_command; \
+	  print(extra_command(sys.argv[2:], torch.__version__, pip=sys.argv[1] + " -m pip"))' $(PY) $(EXTRAS)) && \
+	  echo "$$cmd" && eval "$$cmd"
+endif
 
 # The study in miniature: digits, a small ResNet, 1, 2 and 4 emulated nodes x 2 replicas (on the
 # CPUs, as the recipe says, even where there are GPUs: 4 nodes x 2 replicas would need 8 of them),
@@ -68,15 +83,26 @@ test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 # The GPU tests (tests/gpu) and the benchmarks at ResNet-50 224 px, one JSON in benchmarks/results/;
-# one line and nothing run without CUDA. PY_GPU=python3 uses a Python that already has a CUDA torch
-# (benchmarks/gpu_check.py says why), with this checkout's src, instead of .venv.
+# one line and nothing run without CUDA; at most 9 minutes on one GPU. PY_GPU=python3 uses a Python
+# that already has a CUDA build of torch, with this checkout's src, instead of .venv: what else the
+# check imports and that Python lacks comes from .gpu-bundle, with no package index, into .gpu-site
+# (on PYTHONPATH behind src), and that Python's own packages are left as they are.
+# `make gpu-bundle [GPU_PYTHON=3.12]` writes .gpu-bundle beforehand where pip reaches an index: those
+# packages as wheels for the GPU machine's Python (default: this one's), no torch, at most 64 MiB.
+GPU_BUNDLE := .gpu-bundle
+GPU_SITE   := .gpu-site
+
+gpu-bundle: $(STAMP)
+	$(BIN)/python benchmarks/gpu_bundle.py write --out $(GPU_BUNDLE) $(if $(GPU_PYTHON),--python-version $(GPU_PYTHON))
+
 ifdef PY_GPU
 gpu-check:
-	@PYTHONPATH=$(CURDIR)/src $(PY_GPU) benchmarks/gpu_check.py
+	@$(PY_GPU) benchmarks/gpu_bundle.py install --bundle $(GPU_BUNDLE) --target $(GPU_SITE)
+	@PYTHONPATH=$(CURDIR)/src:$(CURDIR)/$(GPU_SITE) $(PY_GPU) benchmarks/gpu_check.py
 else
 gpu-check: $(STAMP)
 	@$(BIN)/python benchmarks/gpu_check.py
 endif
 
 clean:
-	rm -rf $(VENV) runs site
+	rm -rf $(VENV) runs site $(GPU_BUNDLE) $(GPU_SITE)
