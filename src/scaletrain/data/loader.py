@@ -18,16 +18,20 @@ Prepare turns them into the network's input on the device.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from ..config_checks import STOP_SIGNALS
 from ..launch.fork import die_with_parent
 from . import decode
 from .augment import Augment, centre, on_device
 from .device_input import DeviceBatches, Encoded, Jpeg, collate_encoded, decoder_for, to_device, torchvision_io
 from .sources import BadImage
+
+STOPS = [getattr(signal, n) for n in STOP_SIGNALS]  # every signal a job may stop on (cluster.stop_signals)
 
 
 class ShardedBatches:
@@ -157,15 +161,35 @@ def _loader_setup(parent: int, _: int) -> None:
     # Loader processes decode and augment; one thread each avoids
     # oversubscribing the cores the training process computes on.
     torch.set_num_threads(1)
+    # A stop signal is the training process's to act on (a checkpoint at the next sync point). A
+    # scheduler sends it to every process of the job (scancel, preemption, a time limit), these
+    # included; torch's own handler ends a loader process on a SIGTERM that its parent did not send,
+    # and the training process then fails at its next batch. Held since the fork (_Loader).
+    for s in STOPS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
     # Gone with the training process, at once: torch's own check of the parent waits up to 5 s.
     die_with_parent(parent)
 
 
+class _Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose loader processes start with the stop signals held (blocked): one that came
+    between a fork and _loader_setup would end the process before it ignores them."""
+
+    def __iter__(self):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # loader processes are forked here
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def make_loader(dataset, sampler, workers: int, prefetch: int, pin: bool) -> torch.utils.data.DataLoader:
     kw = dict(num_workers=workers, collate_fn=collate, pin_memory=pin)
-    if workers:
-        kw.update(prefetch_factor=prefetch, worker_init_fn=partial(_loader_setup, os.getpid()))
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kw)
+    if not workers:
+        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kw)
+    kw.update(prefetch_factor=prefetch, worker_init_fn=partial(_loader_setup, os.getpid()))
+    return _Loader(dataset, batch_sampler=sampler, **kw)
 
 
 def device_loader(loader, cfg, pin: bool, device: torch.device | None = None):
