@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m scaletrain.cli`: stop signals held through the imports below
+    from .launch import early
+
+    early.hold()
+
 import argparse
 import json
 import logging
@@ -13,7 +18,7 @@ from . import doctor
 from .config import field_docs, load_config
 from .data.shards import pack, parse_size
 from .errors import REPORTED, ConfigError, GridError, UntilError
-from .launch import env as launch_env, flags, preflight, slurm, supervise, torchrun
+from .launch import early, env as launch_env, flags, preflight, slurm, supervise, torchrun
 from .launch.env import plan_for
 from .launch.join import exit_now
 from .models import check_network
@@ -161,6 +166,8 @@ def _grid_arg(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "train":  # a stop signal that came during the imports acts now; train's job takes it
+        early.release()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "keys":
         for k, doc in field_docs().items():

@@ -18,7 +18,7 @@ from typing import Any
 
 from .device import facts
 from .errors import LaunchError
-from .launch import entry, supervise
+from .launch import early, entry, supervise
 from .launch import env as launch_env
 from .loop import train
 from .models import check_network
@@ -50,10 +50,13 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     """
     # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
     launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())
+    member = launch_env.in_torchrun() or launch_env.in_slurm_step()
+    if not (cfg.distributed and member):  # a process of a job meets its peers, and they stop together
+        early.check(run_dir)  # a stop signal during start-up: nothing begun, nothing to checkpoint
     if not cfg.distributed:
         check_network(cfg)  # a network by import path: built once and its output checked (models/factory.py)
         return train(cfg, run_dir, resume=resume, progress=progress)
     resume = prepare_run_dir(run_dir, resume, cfg)
-    if launch_env.in_torchrun() or launch_env.in_slurm_step():  # this process is one of the job's
+    if member:  # this process is one of the job's
         return entry.process(cfg, run_dir, resume, progress, node=plan_node)
     return supervise.run(cfg, run_dir, resume, progress)

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ..errors import EXIT_STOPPED, Stopped
+from ..launch import early
 from .groups import Context
 from .liveness import CHECKPOINT, STOP, announce, linger, write_note
 
@@ -108,6 +109,11 @@ def catch_stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool) -> 
 
     sigs = [getattr(signal, n) for n in names]
     before = {s: signal.signal(s, on_signal) for s in sigs}
+    came = early.take(before)  # one that came while the process was importing (launch/early.py)
+    if came in sigs:
+        on_signal(came, None)
+    elif came:
+        signal.raise_signal(came)  # not a stop signal of this job: what it would have done
     # A launcher may have started this process with them held (launch/local.py): one that came
     # during start-up is acted on now, as a stop at the next sync point.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)

@@ -11,6 +11,11 @@ same for a user's script (job.Job.from_env).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a task of a Slurm step: stop signals held through the imports below
+    from .early import hold
+
+    hold()
+
 import argparse
 import logging
 from pathlib import Path

@@ -44,6 +44,7 @@ from ..errors import EXIT_PEER, EXIT_STOPPED
 from ..metrics import LAUNCHED, start_up
 from ..plan import Plan, node_name
 from ..strategies import traits
+from . import early
 from .env import LaunchError, plan_for, script_env
 from .fork import Forked, Starter, die_with_parent
 
@@ -107,6 +108,9 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     # being started would kill the launcher, not stop the job.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
+        came = early.take()  # held from here: _Forward's handlers take the next one
+        if came:  # during start-up (launch/early.py): no process started, nothing to checkpoint
+            raise early.stopped(came, run_dir)
         return _start(cfg, plan, addr, run_dir, resume, progress, held, script)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
