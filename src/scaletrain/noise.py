@@ -52,16 +52,31 @@ class NoiseScale:
             raise ValueError(f"two batch sizes are needed, got {b_small} and {b_big}")
         self.b_small, self.b_big = b_small, b_big
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # [own |g_b|^2, averaged |g_nb|^2]
+        # Each bucket's squared norms of the current backward, in a slot of its own. DDP may run the
+        # buckets' callbacks at once, on a pool of CUDA streams: a `+=` of theirs on one shared tensor
+        # is a read-modify-write that two streams can interleave, losing an update. A slot has one
+        # writer; step() sums them on the caller's stream once backward has returned.
+        self.slots: dict[int, torch.Tensor] = {}
+        self.fresh: set[int] = set()  # the buckets whose slot this backward wrote
         self.steps = 0
         self.g2 = self.s = None  # the moving averages, None before the first window
         self.totals = [0.0, 0.0, 0]  # |G|^2 and tr(Sigma) estimates summed over every step so far, and the steps
 
-    def add(self, own: torch.Tensor, averaged: torch.Tensor) -> None:
-        """One bucket's squared norms (0-d tensors on the device): this replica's, and the group's mean's."""
-        self.sums[0] += own
-        self.sums[1] += averaged
+    def add(self, own: torch.Tensor, averaged: torch.Tensor, bucket: int = 0) -> None:
+        """One bucket's squared norms (0-d tensors on the device): this replica's, and the group's mean's.
+        bucket: its index (DDP's bucket.index()), a slot no other bucket writes; a second add to one
+        bucket before step() replaces the first."""
+        slot = self.slots.get(bucket)
+        if slot is None:
+            slot = self.slots[bucket] = torch.zeros(2, dtype=torch.float64, device=self.sums.device)
+        slot.copy_(torch.stack((own.detach(), averaged.detach())))
+        self.fresh.add(bucket)
 
     def step(self) -> None:
+        """The end of a step, after its backward: the buckets' norms join the window's sums."""
+        if self.fresh:
+            self.sums += torch.stack([self.slots[b] for b in sorted(self.fresh)]).sum(0)
+            self.fresh.clear()
         self.steps += 1
 
     def window(self) -> float | None:

@@ -6,6 +6,7 @@ tr(Sigma) = E|g|^2 - |G|^2 = |delta|^2 (d + 1) + sigma^2 d, so B_simple = d + 1 
 """
 
 import math
+import threading
 
 import pytest
 import torch
@@ -83,3 +84,56 @@ def test_one_replica_measures_it_from_half_its_batch():
         noise.window()
     assert noise.overall == pytest.approx(21.0, rel=0.10), noise.overall
 
+
+
+def test_buckets_write_slots_of_their_own_summed_once_a_step():
+    """DDP may run the buckets' callbacks at once (on GPU, on a pool of streams). None of them writes the
+    window's shared sums, whose `+=` two streams could interleave and lose: each writes its own slot (its
+    version moves, no other's), and the step sums them once, on the caller's thread. Callbacks run here
+    from threads at once, each a bucket, as many backwards; the figure is the plain sum of every norm."""
+    buckets, backwards = 6, 50
+    noise = NoiseScale(8, 32, torch.device("cpu"))
+    norms = [[(torch.tensor(float(1 + k + 10 * b)), torch.tensor(0.5 * (k + b))) for b in range(buckets)]
+             for k in range(backwards)]
+    gate = threading.Barrier(buckets + 1, timeout=60)  # a callback that raised breaks it: no hang
+
+    def callbacks(b):
+        for k in range(backwards):
+            gate.wait()  # a backward's buckets: all at once
+            try:
+                noise.add(*norms[k][b], bucket=b)
+            finally:
+                gate.wait()
+
+    threads = [threading.Thread(target=callbacks, args=(b,)) for b in range(buckets)]
+    for t in threads:
+        t.start()
+    try:
+        for k in range(backwards):
+            before = noise.sums._version
+            gate.wait()
+            gate.wait()  # every bucket of this backward has called back
+            assert noise.sums._version == before, f"backward {k}: a callback wrote the shared sums"
+            assert [float(noise.slots[b][0]) for b in range(buckets)] == [float(o) for o, _ in norms[k]]
+            noise.step()
+    except BaseException:
+        gate.abort()  # no thread left waiting for this one
+        raise
+    finally:
+        for t in threads:
+            t.join()
+    own = sum(float(o) for row in norms for o, _ in row)
+    mean = sum(float(a) for row in norms for _, a in row)
+    assert noise.sums.tolist() == [pytest.approx(own), pytest.approx(mean)] and noise.steps == backwards
+
+
+def test_a_bucket_that_did_not_call_back_adds_nothing():
+    """After DDP rebuilds its buckets there may be fewer of them: a slot from an earlier backward is not
+    counted again."""
+    noise = NoiseScale(8, 32, torch.device("cpu"))
+    noise.add(torch.tensor(1.0), torch.tensor(2.0), bucket=0)
+    noise.add(torch.tensor(3.0), torch.tensor(4.0), bucket=1)
+    noise.step()
+    noise.add(torch.tensor(5.0), torch.tensor(6.0), bucket=0)
+    noise.step()
+    assert noise.sums.tolist() == [9.0, 12.0] and noise.steps == 2

@@ -63,10 +63,12 @@ def bucket_hook(state, bucket):  # unannotated: DDP checks a return annotation a
         count_ring(counters, size, moving.numel() * moving.element_size())
     fut = dist.all_reduce(moving, group=group, async_op=True).get_future()  # collective, overlaps backward
 
-    def unpack(f):
+    index = bucket.index()
+
+    def unpack(f):  # may run beside other buckets' (on GPU: a pool of streams): noise.add writes its own slot
         mean = f.value()[0] if wire is None else buffer.copy_(f.value()[0])
         if noise is not None:
-            noise.add(own, torch.dot(mean, mean))
+            noise.add(own, torch.dot(mean, mean), index)
         return mean
 
     return fut.then(unpack)
