@@ -61,6 +61,58 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
 
 
+def autocast_calls(module: torch.nn.Module, dtype: torch.dtype, device_type: str) -> None:
+    """Make every call of `module` run its forward under torch.autocast(device_type, dtype), so that a
+    loop's own `model(x)` runs at train.precision without a context of its own. The backward, which
+    torch's AMP docs keep out of autocast, stays out. Hooks, not a wrapper module: the module a loop
+    gets keeps its type and state_dict names. On a torch.compile'd module they run eagerly, outside
+    the compiled frame, which then traces the forward under autocast as `with autocast: model(x)`."""
+    entered: list = []  # a stack: a module may call itself (a recursive or shared block)
+
+    def enter(mod, args) -> None:
+        ctx = torch.autocast(device_type, dtype=dtype)
+        ctx.__enter__()
+        entered.append(ctx)
+
+    def leave(mod, args, out) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)  # left even when the forward raises
+
+
+def keep_bucket_views(optimizer: torch.optim.Optimizer, *modules: torch.nn.Module) -> bool:
+    """Where the gradients are views of DDP's buckets (grads_to_none: False), make zero_grad() of the
+    optimizer and of the modules zero them in place whatever set_to_none a loop passes (torch's
+    default is True), so that a loop's plain zero_grad() keeps them there (the cost of dropping them
+    is in grads_to_none). Returns whether it did."""
+    if grads_to_none(modules[0]):
+        return False
+    for obj in (optimizer, *modules):
+        obj.zero_grad = _zeroing(obj.zero_grad)
+    return True
+
+
+def _zeroing(zero_grad):
+    def in_place(set_to_none: bool = True) -> None:  # torch's signature; dropping would break the views
+        zero_grad(set_to_none=False)
+    return in_place
+
+
+def around(module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str, compiled: bool,
+           device: torch.device) -> tuple[torch.nn.Module, list[str]]:
+    """The module a loop calls (job.wrap's, the built-in loop's and a user's alike): `module` compiled
+    when train.compile, its calls autocast at train.precision where that applies (autocast_dtype), and
+    the optimizer's zero_grad keeping DDP's bucket views. Also returns the keys that take effect only
+    through calls of that module."""
+    outer = torch.compile(module) if compiled else module
+    keep_bucket_views(optimizer, *dict.fromkeys((module, outer)))
+    dtype = autocast_dtype(precision, device)
+    if dtype is not None:
+        autocast_calls(outer, dtype, device.type)
+    return outer, [k for k, on in (("train.precision", dtype is not None), ("train.compile", compiled)) if on]
+
+
 def grads_to_none(module: torch.nn.Module) -> bool:
     """Whether zero_grad may drop the gradients (set_to_none) before each backward: not under a
     DistributedDataParallel whose gradients are views of its all-reduce buckets
@@ -72,7 +124,8 @@ def grads_to_none(module: torch.nn.Module) -> bool:
 
 
 class Backprop:
-    """Forward and backward of each batch the loader gives."""
+    """Forward and backward of each batch the loader gives, through the module job.wrap returned (which
+    autocasts and is compiled as the recipe says: compute.around)."""
 
     def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  loss=None) -> None:
@@ -83,13 +136,11 @@ class Backprop:
             loss = lambda out, y: loss_fn(out.float(), y, wd_params, weight_decay)  # noqa: E731
         self.loss = loss
         self.to_none = grads_to_none(model)
-        self.autocast = autocast(cfg.train.precision, device)
 
     def __call__(self, batch) -> tuple[torch.Tensor, int]:
         """The batch's loss (on the device, no host sync) and its images; .grad holds the gradient."""
         x, y = batch
-        with self.autocast:
-            loss = self.loss(self.model(x), y)
+        loss = self.loss(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=self.to_none)
         loss.backward()
         return loss.detach(), len(y)

@@ -40,7 +40,7 @@ from . import schedule
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
-from .compute import autocast, keep_freed_memory
+from .compute import around, keep_freed_memory
 from .config import Config, dump_toml, load_config
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
@@ -112,6 +112,7 @@ class Job:
         self._images = 0  # the images of the batch given last
         self._split_every, self._half_sq = 0, None  # one replica's noise scale (noise.py: half_batch)
         self._steps = 0  # job.step() calls of this process
+        self._calls_only, self._calls = [], 0  # keys only calls of wrap()'s module apply; its calls
 
     # --- the constructor for scripts ------------------------------------------------------------------
 
@@ -227,11 +228,18 @@ class Job:
             log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in t.not_applied.items()))
         if self._averaging and not self.pipeline:
             module.register_forward_pre_hook(self._forwarded)
+        if not self.pipeline:  # the stages' schedule autocasts itself, and compiles nothing (config_checks)
+            module, self._calls_only = around(module, opt, cfg.train.precision, cfg.train.compile, device)
+            if self._calls_only:  # bf16, compile: in effect only where the loop calls this module
+                module.register_forward_pre_hook(self._called)
         self._module = module
         return module, opt
 
     def _forwarded(self, module, args) -> None:
         self._forwards += 1
+
+    def _called(self, module, args) -> None:
+        self._calls += 1
 
     def batches(self):
         """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
@@ -280,8 +288,7 @@ class Job:
         if self.pipeline:
             self._forwards += 1
             return self.pipeline((x, y))[0]
-        with autocast(self.cfg.train.precision, self.device):
-            loss = self.loss(self._module(x), y)
+        loss = self.loss(self._module(x), y)  # the module autocasts as the recipe says (compute.around)
         loss.backward()
         return loss.detach()
 
@@ -355,6 +362,7 @@ class Job:
                                "job's end: every replica runs it to its end (train.steps, train.epochs, a target "
                                "reached or a stop)")
             t = self.tracker
+            self._not_called()
             if self._split_every and not self.strategy.noise.totals[2] and self._steps >= self._split_every:
                 t.not_applied["train.noise_every"] = "no loss went through job.loss, where one replica measures it"
                 if self.ctx.is_chief:
@@ -401,6 +409,18 @@ class Job:
         if raised is not None:
             raise raised
         return False
+
+    def _not_called(self) -> None:
+        """Recorded as not applied: what only the module wrap() returned applies, where no forward of
+        the loop called it (it called the network itself, or train.emulate_compute_s ran none)."""
+        if not self._steps or self._calls:
+            return
+        why = "no forward runs under train.emulate_compute_s" if self.cfg.train.emulate_compute_s else \
+            "the loop's forwards did not call the module job.wrap() returned"
+        for key in self._calls_only:
+            self.tracker.not_applied[key] = why
+            if self.ctx.is_chief:
+                log.warning("not applied: %s = %s", key, why)
 
     def _wrapped(self, what: str) -> None:
         if self.strategy is None:

@@ -4,16 +4,15 @@ It is a Job's loop like any user's (job.py): the job runs until its target
 is reached (schedule.py: images whose gradients were applied, the same unit
 for every strategy), or a target accuracy or loss is, and does at its sync
 points what tracker.py says. What the built-in loop adds: the recipe's
-network (models/), its loss with weight decay, precision and torch.compile,
-and emulated compute (train.emulate_compute_s: compute.Emulated).
+network (models/), its loss with weight decay (job.loss), and emulated compute
+(train.emulate_compute_s: compute.Emulated). Precision and torch.compile are
+job.wrap's, in the module it returns, as a user's loop gets them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .comm.groups import Context
 from .compute import Backprop, Emulated
@@ -33,8 +32,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         elif job.pipeline:  # the replica's stages: the pipeline schedule's forwards and backwards
             compute = lambda batch: (job.forward_backward(*batch), len(batch[1]))  # noqa: E731
         else:
-            compute = Backprop(cfg, torch.compile(forward) if cfg.train.compile else forward, opt, job.device,
-                               job.loss)
+            compute = Backprop(cfg, forward, opt, job.device, job.loss)
         for batch in job.batches():
             loss, _ = compute(batch)  # forward and backward: .grad holds this replica's gradient
             job.step(loss)

@@ -3,6 +3,8 @@ scales and never kills a healthy job, targets that stop every process at one poi
 
 import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +17,7 @@ from scaletrain import data
 from scaletrain.models import build_model
 from scaletrain.replicas import evaluate
 
-from conftest import RECIPES
+from conftest import RECIPES, ROOT
 
 QUIET = ["data.workers=0", "train.eval_every=0", "train.log_every=5"]
 
@@ -213,3 +215,43 @@ def test_learning_rate_scales_with_the_images_per_update():
     assert per_update(*cluster(4, 2, 1, "mixed-async")) == 64
     assert per_update(*cluster(4, 2, 1, "async")) == 32
     assert math.isclose(per_update(), 32)
+
+
+# A loop of one's own under allreduce (2 processes): torch's zero_grad() drops the gradients by default
+# (set_to_none=True), which would leave DDP's bucket views every step (a fresh allocation per parameter
+# in each backward and a copy into its bucket). The hook sees where autograd accumulated each gradient.
+VIEWS = """
+import json, sys
+import scaletrain
+
+cfg = scaletrain.load_config(sys.argv[1], ["cluster.gpus_per_node=2", "train.steps=6", "data.workers=0",
+                                           "train.eval_every=0", "train.threads=1", "cluster.timeout_s=30"])
+with scaletrain.Job.from_env(cfg, run_dir=sys.argv[2]) as job:
+    model, optimizer = job.wrap(scaletrain.build_model(cfg.model))
+    params, accumulated, zeroed, into = list(model.parameters()), {}, [], []
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated.__setitem__(i, p.grad.data_ptr()))
+    for x, y in job.batches():
+        optimizer.zero_grad()  # torch's default, as a loop writes it
+        zeroed.append([None if p.grad is None else p.grad.data_ptr() for p in params])
+        loss = job.loss(model(x), y)
+        loss.backward()
+        into.append([accumulated[i] for i in range(len(params))])
+        job.step(loss)
+    with open(f"{sys.argv[2]}/views{job.ctx.me.index}.json", "w") as f:
+        json.dump({"zeroed": zeroed, "into": into, "views": [p.grad.data_ptr() for p in params]}, f)
+"""
+
+
+def test_a_loops_plain_zero_grad_keeps_the_gradients_in_ddps_buckets(tmp_path):
+    path, run_dir = tmp_path / "views.py", tmp_path / "run"
+    path.write_text(VIEWS)
+    r = subprocess.run([sys.executable, str(path), str(RECIPES / "digits.toml"), str(run_dir)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for index in (0, 1):
+        seen = json.loads((run_dir / f"views{index}.json").read_text())
+        # DDP moves its buckets once, after the first backward (in the order the gradients came): from the
+        # third step on every gradient is its bucket's view, zeroed in place and accumulated into
+        assert all(step == seen["views"] for step in seen["zeroed"][2:]), (index, seen["zeroed"])
+        assert all(step == seen["views"] for step in seen["into"][2:]), (index, seen["into"])

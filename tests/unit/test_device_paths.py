@@ -145,7 +145,9 @@ def test_evaluation_autocasts_as_training_does(monkeypatch):
     model, cpu = Recorder(), torch.device("cpu")
     batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
     cfg = load_config(None, ["train.precision=bf16", "optim.weight_decay=0"])
-    work = compute.Backprop(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1), cpu)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward, keys = compute.around(model, opt, "bf16", False, cpu)  # job.wrap's module
+    work = compute.Backprop(cfg, forward, opt, cpu)
     work(batches[0])
     evaluate(model, batches, cpu, lambda b: b, None, 1, "bf16")
     assert model.seen == [torch.bfloat16, torch.bfloat16]
@@ -166,3 +168,52 @@ def test_cuda_random_state_of_this_device_only():
     drawn = torch.rand(2)
     resume.set_rng_state(old)
     assert torch.equal(torch.rand(2), drawn) and not torch.cuda.is_initialized()
+
+
+class Seen(torch.nn.Module):
+    """A classifier of the digits' images that records the type each forward autocasts to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(3 * 16 * 16, 10), []
+
+    def forward(self, x):
+        self.seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return self.lin(x.flatten(1))
+
+
+def own_loop(cfg, run_dir, net, call_network=False):
+    from scaletrain.job import Job
+
+    with Job(cfg, run_dir, progress=False) as job:
+        model, optimizer = job.wrap(net)
+        for x, y in job.batches():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy((net if call_network else model)(x).float(), y)
+            loss.backward()
+            job.step(loss)
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def test_a_loop_of_ones_own_runs_its_forward_at_the_recipes_precision(monkeypatch, digits_cfg, tmp_path):
+    """job.wrap's module autocasts as train.precision says, so a loop's own `model(x)` gets bf16 as the
+    built-in loop does (bf16 is CUDA's: autocast_dtype is made to say so for this CPU, whose autocast runs)."""
+    monkeypatch.setattr(compute, "autocast_dtype",
+                        lambda precision, device: torch.bfloat16 if precision == "bf16" else None)
+    net = Seen()
+    own_loop(digits_cfg("train.steps=3", "train.eval_every=0", "train.precision=bf16", "train.device=auto"),
+             tmp_path / "bf16", net)
+    assert len(net.seen) >= 3 and set(net.seen) == {torch.bfloat16}, net.seen
+    assert not torch.is_autocast_enabled("cpu")  # left after each forward
+    fp32 = Seen()
+    own_loop(digits_cfg("train.steps=3", "train.eval_every=0", "train.device=auto"), tmp_path / "fp32", fp32)
+    assert set(fp32.seen) == {None}
+
+
+def test_compile_is_not_applied_where_the_loop_calls_the_network_itself(digits_cfg, tmp_path):
+    """train.compile acts in the module job.wrap returns; a loop that calls its network instead trains
+    uncompiled, and summary.json says so."""
+    cfg = digits_cfg("train.steps=2", "train.eval_every=0", "train.compile=true")
+    summary = own_loop(cfg, tmp_path, Seen(), call_network=True)
+    assert summary["not_applied"] == {"train.compile": "the loop's forwards did not call the module job.wrap() "
+                                                       "returned"}
