@@ -33,7 +33,8 @@ run on this machine: a scheduler's or launcher's variables (SLURM_*, TORCHELASTI
 of their environment, CUDA_VISIBLE_DEVICES is kept.
 
 At b5cc5ab on one H100 scaletrain's 10-step windows spread from 955 to 2,883 images/s while the
-bare loop's kept within 6%: a host-side stall, which the profile is there to find.
+bare loop's three runs kept within 6% of each other: a host-side stall, which the windows and the
+profile are there to find.
 """
 
 from __future__ import annotations
