@@ -41,10 +41,11 @@ from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
 from .compute import around, keep_freed_memory
-from .config import Config, dump_toml, load_config
+from .config import Config, dump_toml
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
-from .errors import REPORTED, ConfigError, LaunchError, RunError
+from .errors import REPORTED, ConfigError, RunError
+from .job_env import default_run_dir, joining
 from .launch import env as launch_env, join, supervise
 from .metrics import start_up
 from .noise import NoiseScale, half_batch, squared_norm
@@ -126,13 +127,13 @@ class Job:
         that the local launcher or a Slurm step started for this script takes the job's config from
         RUN_DIR/config.toml, as its launcher resolved it (the port; a restart's node count)."""
         if not cfg.distributed:
-            job = cls(cfg, run_dir or _default_run_dir(), resume, progress)
+            job = cls(cfg, run_dir or default_run_dir(), resume, progress)
             job._script = True
             return job
         launched = os.environ.get(launch_env.RUN_DIR_ENV)  # a process launch/supervise.py started
         if launched or launch_env.in_torchrun() or launch_env.in_slurm_step():
             try:  # before this process joins: a line and an exit status of its own, as `scaletrain train`'s
-                cfg, run_dir, resume, node = _joining(cfg, launched, run_dir, resume)
+                cfg, run_dir, resume, node = joining(cfg, launched, run_dir, resume)
             except REPORTED as e:
                 join.exit_now(supervise.report(e, Path(run_dir or ".")))
             ctx = join.join_or_exit(cfg, run_dir, resume, progress, node)
@@ -149,7 +150,7 @@ class Job:
                 and os.path.samefile(main.__file__, script[0])):
             raise RunError("a distributed Job.from_env outside torchrun or srun starts its processes by running this "
                            "script again: run it as `python SCRIPT.py ...` (not from -c, a notebook or a shell)")
-        sys.exit(supervise.run_script(cfg, Path(run_dir) if run_dir else _default_run_dir(), resume, progress,
+        sys.exit(supervise.run_script(cfg, Path(run_dir) if run_dir else default_run_dir(), resume, progress,
                                       script))
 
     # --- the loop's calls -----------------------------------------------------------------------------
@@ -425,26 +426,3 @@ class Job:
     def _wrapped(self, what: str) -> None:
         if self.strategy is None:
             raise RunError(f"job.{what}() before job.wrap(model): the job trains the model it wraps")
-
-
-def _joining(cfg: Config, launched: str | None, run_dir, resume: bool) -> tuple[Config, Path, bool, int | None]:
-    """(config, run directory, resume, plan node) of a process about to join its job: as its launcher
-    resolved them (launch/supervise.py: RUN_DIR/config.toml and the environment), or, under torchrun
-    or srun, as given, the run directory checked as `scaletrain train` checks it there."""
-    if not (launched or run_dir):
-        raise LaunchError("under torchrun or srun every process must be given the same run_dir")
-    run_dir = Path(launched or run_dir)
-    if launched:  # the job's config as its launcher resolved it: the port, a restart's node count
-        cfg, resume = load_config(run_dir / "config.toml"), os.environ.get(launch_env.RESUME_ENV) == "1"
-    else:
-        resume = prepare_run_dir(run_dir, resume, cfg)
-    node = os.environ.get(launch_env.PLAN_NODE_ENV, "")
-    if node and not node.isdigit():
-        raise LaunchError(f"{launch_env.PLAN_NODE_ENV} = {node!r}: expected this agent's node index in the plan "
-                          "(`scaletrain plan` numbers them from 0)")
-    return cfg, run_dir, resume, int(node) if node else None
-
-
-def _default_run_dir() -> Path:
-    name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else "job"
-    return Path(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
