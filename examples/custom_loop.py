@@ -24,7 +24,9 @@ def main() -> None:
 
     with scaletrain.Job.from_env(cfg, run_dir=args.run_dir, resume=args.resume) as job:
         network = scaletrain.build_model(cfg.model)  # or any torch.nn.Module of yours
-        model, optimizer = job.wrap(network)  # the strategy around it; resumed from the run's checkpoint
+        # The strategy around it, resumed from the run's checkpoint; model(x) runs at train.precision and
+        # compiled when train.compile; optimizer.zero_grad() zeroes in place where DDP's buckets hold them
+        model, optimizer = job.wrap(network)
         for x, y in job.batches():  # this replica's share of each global batch, until the job's target
             optimizer.zero_grad()
             if job.stages > 1:  # parallel.stages: the pipeline's schedule runs the forward and backward
