@@ -14,6 +14,8 @@ from scaletrain.perfmodel.calibrate import copy_buffers
 from scaletrain.replicas import evaluate
 from scaletrain.strategies.base import Counters
 
+from .runs import DIGITS, SYNTHETIC
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SPIN = 1 << 30  # cycles of torch.cuda._sleep: a kernel that keeps the GPU busy for some hundred ms
@@ -110,3 +112,41 @@ def test_cuda_random_state_of_this_device_round_trips():
     # a checkpoint written before: a state for every GPU the chief saw, more than are visible here
     resume.set_rng_state({"torch": st["torch"], "cuda": [st["cuda"]] * (torch.cuda.device_count() + 3)})
     assert torch.equal(torch.rand(4, device=dev), drawn)
+
+
+class Seen(torch.nn.Module):
+    """A classifier of the digits recipe's images that records the type each forward autocasts to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(3 * 16 * 16, 10), []
+
+    def forward(self, x):
+        self.seen.append(torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+        return self.lin(x.flatten(1))
+
+
+def test_a_loop_of_ones_own_runs_its_forward_in_bf16(tmp_path):
+    """train.precision = bf16 reaches a loop's own `model(x)` (job.wrap's module autocasts), and
+    summary.json says nothing is left unapplied."""
+    import json
+
+    from scaletrain.job import Job
+
+    cfg = load_config(DIGITS, [*SYNTHETIC, "train.device=cuda", "train.precision=bf16", "train.steps=3",
+                               "train.eval_every=0", "data.workers=0"])
+    net, outputs = Seen(), []
+    with Job(cfg, tmp_path / "run", progress=False) as job:
+        model, optimizer = job.wrap(net)
+        for x, y in job.batches():
+            optimizer.zero_grad()
+            out = model(x)
+            outputs.append(out.dtype)
+            loss = torch.nn.functional.cross_entropy(out.float(), y)
+            loss.backward()
+            job.step(loss)
+    assert outputs == [torch.bfloat16] * 3 and net.seen[:3] == [torch.bfloat16] * 3, (outputs, net.seen)
+    assert not torch.is_autocast_enabled("cuda")  # left after each forward
+    assert net.lin.weight.dtype == torch.float32 and net.lin.weight.grad.dtype == torch.float32
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["not_applied"] == {} and summary["steps"] == 3
