@@ -44,6 +44,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -153,7 +154,10 @@ def heartbeat(ctx) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
     store, lost_since, failures = ctx.store, None, 0
     live = _Liveness(ctx)
+    watch = _StoreWatch(ctx)
+    watch.start(threading.current_thread())
     while not ctx._stop.wait(HEARTBEAT_S):
+        watch.beats += 1
         try:
             # Every counter and the job's word in one request, whatever the job's size. Read one by
             # one, N processes would send N^2 requests a beat to rank 0's store, each a wait for it
@@ -189,6 +193,41 @@ def heartbeat(ctx) -> None:
             # The main thread may be blocked inside a collective that will
             # not return; this is the only way out within the timeout.
             _leave(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+
+
+class _StoreWatch:
+    """Names rank 0 when the job's store, which it serves, stops answering. A frozen rank 0 (SIGSTOP,
+    a stalled file system, a hung driver) holds the store every counter is read from, so no peer is
+    seen missing, and a request to it waits for ever: the store client's own timeout ends the wait
+    for an answer, then waits, unbounded, for the answer to its cancel. The heartbeat thread counts
+    its beats here; a thread of its own judges them. The store's server is a thread of rank 0 that
+    needs no GIL, so a rank 0 busy evaluating or checkpointing still answers: liveness is not a time
+    limit on work. Under torchrun the store is the agent's, and a frozen rank 0 is seen missing."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx, self.beats = ctx, 0
+
+    def start(self, beating: threading.Thread) -> None:
+        if self.ctx.rank != 0 and "TORCHELASTIC_RUN_ID" not in os.environ:  # launch/env.in_torchrun
+            threading.Thread(target=self._watch, args=(beating,), daemon=True, name="store-watch").start()
+
+    def _watch(self, beating: threading.Thread) -> None:
+        """A beat stuck in one request for as long as a silent peer is given (STALE_S + cluster.timeout_s)
+        means the store is lost. Only this thread's punctual ticks count: after one this process was
+        starved for (a C call that held the GIL, a loaded host), the heartbeat thread is first given the
+        chance to run."""
+        bound, seen, still, then = STALE_S + self.ctx.timeout_s, self.beats, 0.0, time.monotonic()
+        while beating.is_alive():
+            time.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            tick, then = now - then, now
+            if self.beats != seen or tick > HEARTBEAT_S + 1.0:
+                seen, still = self.beats, 0.0
+                continue
+            still += tick
+            if still > bound and beating.is_alive():
+                _leave(self.ctx, None, [0], f"stopped answering: the job's store, which it serves, did not answer "
+                                            f"for {still:.0f} s")
 
 
 def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:

@@ -185,6 +185,7 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
     frozen: list[int] = []
     spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
     killed: set[int] = set()  # killed by this launcher while running: their end is not their failure
+    leavers: set[int] = set()  # left because of a peer (EXIT_PEER): never the culprit while another is
 
     def kill(ranks) -> None:
         # Rank 0 stays a moment after it leaves (it serves the store): killed then, it did not fail.
@@ -200,16 +201,22 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
             kill(dropped)  # frozen, or woken too late: the job went on
             for rank, p in enumerate(procs):
                 rc = p.poll()
-                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or rank in killed.union(frozen, dropped, spared):
+                if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or \
+                        rank in killed.union(frozen, dropped, spared, leavers):
                     continue
-                if failed is None and survivable(set(dropped + spared + traits.lost_with(plan, rank))):
+                # A process that left naming a peer still running left because that one is frozen: so
+                # it did in a node the job could go on without too (a frozen chief, which serves the
+                # store, ends every process).
+                named = [r for r in read_ranks(run_dir, f"rank{rank}.lost") if procs[r].poll() is None] \
+                    if rc == EXIT_PEER else []
+                if failed is None and not named and survivable(set(dropped + spared + traits.lost_with(plan, rank))):
                     spared.append(rank)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job may go on without "
                           f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
                 elif rc == EXIT_PEER:
                     left = left or (rank, now)
-                    named = [r for r in read_ranks(run_dir, f"rank{rank}.lost") if procs[r].poll() is None]
-                    if named and failed is None and not frozen:  # it left because of a peer that is frozen
+                    leavers.add(rank)
+                    if named and failed is None and not frozen:
                         frozen = named
                         kill(everyone)
                 elif failed is None:
