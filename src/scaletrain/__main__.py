@@ -1,16 +1,14 @@
-"""`python -m scaletrain` (what a Slurm job's script runs) and the `scaletrain` command."""
+"""`python -m scaletrain` (what a Slurm job's script runs) and the `scaletrain` command, which both
+import this module first: it holds the stop signals through the command line's imports, which take
+seconds (torch), so that a stop signal then is a stop (launch/early.py)."""
 
 import sys
 
 from .launch import early
 
+early.hold()
 
-def main() -> int:
-    early.hold()  # before the command line's imports, which take seconds (torch): a stop then is a stop
-    from .cli import main as command  # heavy, and after the hold
-
-    return command()
-
+from .cli import main  # noqa: E402 - after the hold
 
 if __name__ == "__main__":
     sys.exit(main())
