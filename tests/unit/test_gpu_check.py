@@ -244,3 +244,24 @@ def test_a_bundle_for_another_python_is_one_line_naming_the_make_command(tmp_pat
     mine = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert r.returncode == 1 and r.stderr.strip().startswith("gpu-check: "), r.stderr
     assert f"make gpu-bundle GPU_PYTHON={mine}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_install_into_env_names_the_torch_there_so_pip_keeps_it():
+    """The whole install, run in a fresh environment, is benchmarks/install_paths.py (minutes)."""
+    r = subprocess.run(["make", "--no-print-directory", "-n", "install-into-env", "PY=/opt/py/bin/python"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "/opt/py/bin/python -m pip install --disable-pip-version-check -e '.[test]' \"torch==$v\"" in r.stdout
+    assert "constraints.txt" not in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_install_into_env_without_torch_is_one_line(tmp_path):
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    r = subprocess.run(["make", "--no-print-directory", "install-into-env", f"PY={bare}/bin/python"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and r.stdout.strip() == (
+        f"install-into-env: {bare}/bin/python has no torch that imports: install a build of torch in it first, "
+        "or name the Python that has one (PY=...)"), (r.stdout, r.stderr)
