@@ -5,6 +5,13 @@ Slurm allocation, cores and memory; with a recipe, each setting that would not t
 would fail here, as one line each. `gather` reads the real facts; everything else is a pure
 function of them (environment, torch facts, interfaces, host), so made-up GPU clusters test it.
 
+Where doctor runs decides what a recipe is checked against (`machine`): where the local launcher
+would run every process of the job (the whole plan, its emulated nodes on this host), a node of a
+Slurm allocation or a torchrun agent (this node's share), or a login node of a Slurm cluster (sinfo
+or squeue here, no allocation): there the job's processes run on other machines, so a recipe is
+checked for what one node of the job needs (cluster.gpus_per_node GPUs, not the job's total) and
+`scaletrain slurm` checks the rest against the cluster's nodes.
+
 Exit status 1 when a warning says the job would fail as configured: a device its processes would
 refuse (device.resolve: train.device = cuda with no GPU, a CPU torch in a GPU allocation),
 cluster.gpus_per_node above the GPUs visible (plan.gpu_map), a plan that
@@ -38,6 +45,34 @@ from .launch.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_
 SLURM = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "tasks": "SLURM_NTASKS",
          "cpus_on_node": "SLURM_CPUS_ON_NODE", "cpus_per_task": "SLURM_CPUS_PER_TASK",
          "gpus_on_node": "SLURM_GPUS_ON_NODE", "job_gpus": "SLURM_JOB_GPUS", "step_gpus": "SLURM_STEP_GPUS"}
+
+
+COMMANDS = ("sbatch", "srun", "sinfo", "squeue")
+MACHINES = {
+    "local": "every process of the job runs here (the local launcher)",
+    "allocation": "a node of a Slurm allocation: this node's share of the job",
+    "torchrun": "a torchrun agent's node: this node's share of the job",
+    "login": ("a login node of a Slurm cluster (Slurm's commands here, no allocation): a recipe is checked for one "
+              "node of the job; `scaletrain slurm` checks its script against the cluster's nodes, and `srun "
+              "scaletrain doctor` inside the allocation checks each node"),
+}
+
+
+def commands(env=os.environ) -> dict[str, str | None]:
+    """Where Slurm's commands are on env's PATH (None: not found)."""
+    return {c: shutil.which(c, path=env.get("PATH")) for c in COMMANDS}
+
+
+def machine(env, found: dict) -> str:
+    """What this machine is to a job (a key of MACHINES), from the environment and the commands found:
+    a Slurm allocation's node or a torchrun agent's by their variables; a login node where Slurm's
+    query commands are but no allocation (a job's processes then run on the cluster's nodes, never
+    here); else the machine the local launcher runs every process on."""
+    if in_slurm_allocation(env):
+        return "allocation"
+    if in_torchrun(env):
+        return "torchrun"
+    return "login" if found.get("sinfo") or found.get("squeue") else "local"
 
 
 def torch_facts() -> dict:
@@ -77,7 +112,7 @@ def gather(env=os.environ) -> tuple[dict, dict, dict, dict]:
     host = {"name": socket.gethostname(), "hostname_ifname": fabric.hostname_interface(ifaces),
             "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "memory_bytes": mem.get("MemTotal"), "memory_available_bytes": mem.get("MemAvailable"),
-            "sbatch": shutil.which("sbatch"), "srun": shutil.which("srun")}
+            **commands(env)}
     return torch_facts(), dict(env), ifaces, host
 
 
@@ -97,7 +132,8 @@ def slurm_facts(env: dict, host: dict) -> dict:
     return out
 
 
-def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tuple[dict, str | None]:
+def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict,
+            where: str = "local") -> tuple[dict, str | None]:
     """The interfaces of gloo's and NCCL's sockets as comm.groups.init would set them; and the error
     it would raise for a cluster.ifname this host lacks."""
     c, error = cfg.cluster, None
@@ -106,7 +142,7 @@ def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tu
     except ValueError:  # a host name: the job's processes are spread over machines
         local = False
     try:
-        chosen = fabric.choose(c.ifname, ifaces, not slurm["allocation"] and not in_torchrun(env) and local)
+        chosen = fabric.choose(c.ifname, ifaces, where == "local" and local)
     except LaunchError as e:
         chosen, error = None, str(e)
     why = ("cluster.ifname" if c.ifname else "loopback: every process on this machine" if chosen == "lo"
@@ -120,8 +156,9 @@ def network(cfg: Config, env: dict, ifaces: dict, host: dict, slurm: dict) -> tu
 
 
 def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
-           exists=os.path.exists, env=os.environ) -> list[dict]:
-    """Each mismatch between the config and this machine: {"text": one line, "fails": would the job fail}."""
+           exists=os.path.exists, env=os.environ, where: str = "local") -> list[dict]:
+    """Each mismatch between the config and this machine: {"text": one line, "fails": would the job fail}.
+    where: machine()'s word for this machine; on a login node, what one node of the job needs."""
     out = []
 
     def warn(text: str, fails: bool = False) -> None:
@@ -129,17 +166,22 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
 
     here = Facts(len(tf["gpus"]), tf["cuda"], tf["version"], slurm["gpus"] or 0)
     want = cfg.train.device if cfg else "auto"
-    try:
-        kind = resolve(want, here)  # the one decision a job's processes make (device.py)
-    except PlanError as e:
-        warn(str(e), fails=True)
-        kind = "cpu"
+    if where == "login":
+        kind = _login_device(cfg, here, warn)
+    else:
+        try:
+            kind = resolve(want, here)  # the one decision a job's processes make (device.py)
+        except PlanError as e:
+            warn(str(e), fails=True)
+            kind = "cpu"
     if cfg is None:
         return out
     for key, why in not_applied(cfg, kind).items():
-        warn(f"{key} = {why}: not applied")
-    if net_error:
-        warn(net_error, fails=True)
+        if not (where == "login" and key == "cluster.setup"):  # the sbatch script written here runs it
+            warn(f"{key} = {why}: not applied")
+    if net_error:  # a login node's interfaces are not the job's nodes'
+        warn(net_error + ("; on this login node: `srun scaletrain doctor` checks the job's nodes" if where == "login"
+                          else ""), fails=where != "login")
     for key, path in (("data.root", cfg.data.root if cfg.data.name in ROOTS else ""),
                       ("data.test_root", cfg.data.test_root if cfg.data.name in ROOTS else ""),
                       ("model.init_from", cfg.model.init_from)):
@@ -150,7 +192,8 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
     except ModelNameError as e:
         warn(str(e), fails=True)
     try:
-        plan = plan_for(cfg, here, env) if kind == "cuda" else plan_for(cfg)  # this host's GPUs, as a worker checks
+        # This host's GPUs, as a worker checks; a login node runs no process of the job: the plan's own layout
+        plan = plan_for(cfg, here, env) if kind == "cuda" and where != "login" else plan_for(cfg)
     except PlanError as e:
         warn(str(e), fails=True)
         return out
@@ -168,23 +211,44 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
     return out
 
 
+def _login_device(cfg: Config | None, here: Facts, warn) -> str:
+    """The device type the job's processes take on the cluster's nodes, as far as a login node can
+    tell: its GPUs are not theirs (often it has none), its torch is theirs unless cluster.setup
+    makes their environment."""
+    if cfg is None or cfg.train.device == "cpu":
+        return "cpu"
+    if here.cuda_build is None:
+        if cfg.cluster.setup:  # the sbatch script's environment may bring a CUDA build: not this one's to judge
+            return "cuda"
+        # 'auto' on nodes without GPUs computes on their CPUs; on nodes with GPUs it refuses them (device.resolve)
+        warn(f"torch {here.torch_version} here is a CPU build: the job's processes would refuse the nodes' GPUs "
+             f"(train.device = {cfg.train.device!r}{'' if cfg.train.device == 'cuda' else ', where they have any'}); "
+             "install a CUDA build of torch in the job's environment (cluster.setup can make it), or set "
+             "train.device = 'cpu'", fails=cfg.train.device == "cuda")
+        return "cpu"
+    return "cuda"
+
+
 def report(tf: dict, env: dict, ifaces: dict, host: dict, cfg: Config | None = None, exists=os.path.exists) -> dict:
     """The whole picture as one JSON-ready object (stable keys)."""
     slurm = slurm_facts(env, host)
-    net, net_error = network(cfg or Config(), env, ifaces, host, slurm)
+    where = machine(env, host)
+    net, net_error = network(cfg or Config(), env, ifaces, host, slurm, where)
     build = ("CPU" if tf["cuda"] is None and tf["hip"] is None else f"CUDA {tf['cuda']}" if tf["cuda"]
              else f"ROCm {tf['hip']}")
     gpus = tf["gpus"]
     seen = f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''} visible ({gpus[0]['name']})" if gpus else "no GPU visible"
-    where = f"Slurm job {slurm['job_id']} on {slurm['node']}" if slurm["allocation"] else \
-        "not in a Slurm allocation" + ("" if host["sbatch"] or host["srun"] else " (no sbatch or srun here)")
-    return {"summary": f"this machine: {seen}, {build} build of torch, {where}",
+    alloc = f"Slurm job {slurm['job_id']} on {slurm['node']}" if slurm["allocation"] else \
+        "not in a Slurm allocation" + (", a login node of a Slurm cluster" if where == "login" else
+                                       "" if host["sbatch"] or host["srun"] else " (no sbatch or srun here)")
+    return {"summary": f"this machine: {seen}, {build} build of torch, {alloc}",
+            "machine": {"kind": where, "why": MACHINES[where]},
             "torch": {"version": tf["version"], "build": build.split()[0].lower(), "cuda": tf["cuda"],
                       "hip": tf["hip"], "nccl": tf["nccl"], "cudnn": tf["cudnn"], "error": tf["error"]},
             "gpus": {"visible": gpus, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES")},
             "network": net, "slurm": slurm,
             "host": {k: host[k] for k in ("name", "cpu_count", "affinity", "memory_bytes", "memory_available_bytes")},
-            "warnings": checks(cfg, tf, slurm, net_error, exists, env)}
+            "warnings": checks(cfg, tf, slurm, net_error, exists, env, where)}
 
 
 def _cudnn(v: int) -> str:
@@ -225,7 +289,7 @@ def human(rep: dict) -> str:
         "host": [("name", h["name"]), ("CPU cores", f"{h['cpu_count']} ({h['affinity']} usable by this process)"),
                  ("memory", f"{gib(h['memory_bytes'])} ({gib(h['memory_available_bytes'])} available)")],
     }
-    lines = [rep["summary"]]
+    lines = [rep["summary"], f"  {rep['machine']['why']}"]
     for title, rows in sections.items():
         lines += ["", title] + [f"  {k:<21} {v}" for k, v in rows]
     if rep["warnings"]:

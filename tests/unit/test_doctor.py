@@ -127,3 +127,75 @@ def test_inside_a_two_node_allocation(tmp_path):
         assert s["allocation"] and s["job_id"] == reps[0]["slurm"]["job_id"] and s["job_id"].isdigit()
         assert (s["nodes"], s["tasks"], s["cpus_on_node"], s["gpus"]) == (["node1", "node2"], "2", "8", 0)
         assert rep["network"]["gloo"]["why"] != "loopback: every process on this machine"
+
+
+def fake_command(folder, name):
+    """An executable `name` in folder that does nothing: its presence on PATH is the fact."""
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_what_this_machine_is_to_a_job_from_its_variables_and_commands(tmp_path):
+    bare, login = tmp_path / "bare", tmp_path / "login"
+    bare.mkdir()
+    sinfo = fake_command(login, "sinfo")
+    found = doctor.commands({"PATH": str(login)})
+    assert found == {"sbatch": None, "srun": None, "sinfo": str(sinfo), "squeue": None}
+    assert doctor.machine({}, found) == "login"
+    assert doctor.machine({}, doctor.commands({"PATH": str(bare)})) == "local"
+    assert doctor.machine({"SLURM_JOB_ID": "7"}, found) == "allocation"  # salloc's shell on a login node, or a node
+    assert doctor.machine({"TORCHELASTIC_RUN_ID": "x"}, found) == "torchrun"
+    fake_command(bare, "squeue")
+    assert doctor.machine({}, doctor.commands({"PATH": str(bare)})) == "login"
+
+
+LOGIN = dict(HOST, name="login1", sinfo="/usr/bin/sinfo", squeue="/usr/bin/squeue")
+
+
+def test_a_login_node_checks_a_node_of_a_multi_node_recipe_not_the_whole_job():
+    """4 nodes x 4 GPUs on a cluster: the login node (4 GPUs of its own, or none) runs no process of
+    the job; the local launcher's check (16 GPUs on this machine) does not apply there."""
+    recipe = cfg("cluster.nodes=4", "cluster.gpus_per_node=4", "train.precision=bf16")
+    for gpus in (4, 0):
+        rep = doctor.report(cuda_torch(gpus), {}, IFACES, LOGIN, recipe)
+        assert warnings(rep) == [], (gpus, warnings(rep))
+        assert rep["machine"]["kind"] == "login" and "a login node of a Slurm cluster" in rep["summary"]
+        assert "`scaletrain slurm` checks its script" in doctor.human(rep).splitlines()[1]
+        assert rep["network"]["gloo"]["why"] != "loopback: every process on this machine"
+    # the same recipe where the local launcher would run every process: 16 GPUs on this machine
+    (text, fails), = warnings(doctor.report(cuda_torch(4), {}, IFACES, HOST, recipe))
+    assert text.startswith("4 emulated nodes x 4 replicas on this machine need 16 GPUs but 4 are visible") and fails
+
+
+def test_a_login_node_still_says_what_would_fail_on_every_node(tmp_path):
+    """A CPU build of torch is the job's too (unless cluster.setup makes its environment); a missing
+    data root is missing on a shared file system; a cluster.ifname the login node lacks is only said."""
+    for device, fails_there in (("cuda", True), ("auto", False)):  # auto: on nodes with no GPU it computes on CPUs
+        (text, fails), = warnings(doctor.report(CPU_TORCH, {}, IFACES, LOGIN, cfg(
+            "cluster.nodes=2", "cluster.gpus_per_node=4", f"train.device={device}")))
+        assert text.startswith("torch 2.13.0+cpu here is a CPU build: the job's processes would refuse the nodes' "
+                               "GPUs") and fails is fails_there
+    assert not warnings(doctor.report(CPU_TORCH, {}, IFACES, LOGIN, cfg(
+        "cluster.nodes=2", "cluster.gpus_per_node=4", 'cluster.setup=["module load pytorch/2.13-cuda"]')))
+    missing = tmp_path / "no-such-dir"
+    assert warnings(doctor.report(cuda_torch(0), {}, IFACES, LOGIN, cfg("data.name=imagefolder", f"data.root={missing}"))
+                    ) == [(f"data.root = '{missing}': not found from {os.getcwd()}", True)]
+    (text, fails), = warnings(doctor.report(cuda_torch(0), {}, IFACES, LOGIN, cfg("cluster.ifname=ib1")))
+    assert "cluster.ifname = 'ib1'" in text and "`srun scaletrain doctor` checks the job's nodes" in text
+    assert not fails
+
+
+def test_a_login_node_with_a_multi_node_recipe_exits_0(tmp_path, monkeypatch, capsys):
+    """The command as a user runs it on a login node: a fake sinfo on PATH, no Slurm variables."""
+    fake_command(tmp_path, "sinfo")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(key)
+    assert main(["doctor", "--recipe", str(RECIPES / "digits.toml"), "--set", "cluster.nodes=4",
+                 "--set", "cluster.gpus_per_node=4", "--set", "train.device=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "a login node of a Slurm cluster" in out.splitlines()[0]
+    assert "the job would fail" not in out and "emulated nodes" not in out, out
