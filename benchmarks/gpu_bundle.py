@@ -6,8 +6,8 @@
 `write` (make gpu-bundle, where pip reaches a package index) downloads as wheels every package
 that benchmarks/gpu_check.py and what it runs import, beside torch and pytest, for the GPU
 machine's Python and processor: numpy, Pillow, simplejpeg, safetensors, tensorboard (and the
-protobuf and absl-py it imports), rich (and its parts), tomli-w, simpy and pytest-timeout, at
-versions pip resolves together within pyproject.toml's ranges, and pip itself. Never torch, CUDA
+protobuf and absl-py it imports), rich (and its parts), tomli-w, simpy, pytest-timeout and
+pytest-xdist, at versions pip resolves together within pyproject.toml's ranges, and pip itself. Never torch, CUDA
 or anything that depends on them: the GPU machine's own CUDA build of torch is the one tested.
 At most 64 MiB (MAX_BYTES), so that it travels with a checkout; bundle.json lists it.
 
@@ -44,8 +44,8 @@ MANIFEST = "bundle.json"
 PACKAGES = {
     "numpy": "numpy", "pillow": "PIL", "simplejpeg": "simplejpeg", "safetensors": "safetensors",
     "tensorboard": "tensorboard", "rich": "rich", "tomli-w": "tomli_w", "simpy": "simpy",
-    "pytest-timeout": "pytest_timeout",
-    "protobuf": "google.protobuf", "absl-py": "absl", "pygments": "pygments", "markdown-it-py": "markdown_it",
+    "pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist",
+    "protobuf": "google.protobuf", "execnet": "execnet", "absl-py": "absl", "pygments": "pygments", "markdown-it-py": "markdown_it",
     "mdurl": "mdurl",
 }
 
@@ -67,9 +67,13 @@ def project_ranges(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
     return {canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]): r for r in reqs}
 
 
+# Not the project's own: the check runs the GPU tests 3 at a time with it (gpu_check.test_workers).
+HELPERS = ["pytest-xdist"]
+
+
 def requirements(ranges: dict[str, str]) -> list[str]:
-    """What `write` asks pip for: the project's packages the check imports, with their ranges."""
-    return [ranges[name] for name in PACKAGES if name in ranges]
+    """What `write` asks pip for: the project's packages the check imports, with their ranges, and HELPERS."""
+    return [ranges[name] for name in PACKAGES if name in ranges] + HELPERS
 
 
 def platforms(arch: str) -> list[str]:

@@ -14,7 +14,8 @@ tests): a missing package is one line naming it and the fix, on any machine. The
 it prints one line (`gpu-check: skipped: ...`, naming torch's version and build) and exits 0
 having run nothing. With CUDA it says which part runs, and runs:
 
-1. pytest -m gpu tests/gpu: every CUDA path of scaletrain (tests/gpu/);
+1. pytest -m gpu tests/gpu: every CUDA path of scaletrain (tests/gpu/), 3 at a time where
+   pytest-xdist is installed (the bundle brings it);
 2. overhead.py: on one GPU, ResNet-50 at 224 px, bf16, channels_last, 4 loader processes:
    `scaletrain train`'s loop against a bare loop fed by the same loader (the overhead, goal
    >= 0.97), that bare loop against one reusing a batch already on the GPU (the input's cost),
@@ -115,8 +116,19 @@ def import_everything() -> str | None:
     return None
 
 
-def tests_command(python: str, junit: Path) -> list[str]:
-    return [python, "-m", "pytest", "-m", "gpu", "tests/gpu", f"--junitxml={junit}"]
+def tests_command(python: str, junit: Path, workers: int = 1) -> list[str]:
+    """pytest's command for the GPU tests; workers > 1: that many at once (pytest-xdist)."""
+    return [python, "-m", "pytest", "-m", "gpu", "tests/gpu", f"--junitxml={junit}",
+            *(["-n", str(workers)] if workers > 1 else [])]
+
+
+def test_workers() -> int:
+    """GPU tests at once: 3 where pytest-xdist is installed (as CUDA images often have it). Each test
+    checks what a run computes, never how fast, so they may share the GPU; one at a time they took
+    4.7 of the check's minutes at b5cc5ab."""
+    import importlib.util
+
+    return 3 if importlib.util.find_spec("xdist") is not None else 1
 
 
 def bench_commands(python: str) -> dict[str, list[str]]:
@@ -217,7 +229,7 @@ def git(*args: str) -> str:
 def run_tests(python: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         junit = Path(d) / "junit.xml"
-        cmd = tests_command(python, junit)
+        cmd = tests_command(python, junit, test_workers())
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)

@@ -201,6 +201,13 @@ def test_benchmarks_run_at_resnet50_224_on_one_gpu_within_the_budget():
     assert gpu_check.BUDGET_S <= 9 * 60
 
 
+def test_the_gpu_tests_run_three_at_a_time_where_xdist_is_there(tmp_path):
+    junit = tmp_path / "j.xml"
+    assert gpu_check.tests_command("py", junit, 3)[-2:] == ["-n", "3"]
+    assert gpu_check.tests_command("py", junit, 1) == ["py", "-m", "pytest", "-m", "gpu", "tests/gpu", f"--junitxml={junit}"]
+    assert "pytest-xdist" in gpu_bundle.requirements(gpu_bundle.project_ranges())
+
+
 def test_ps_path_has_no_floor():
     """Its bare send/recv script was beaten (ratio 0.66): a reference, named bare, not a floor."""
     text = (ROOT / "benchmarks" / "ps_path.py").read_text()
