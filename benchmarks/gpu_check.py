@@ -207,6 +207,19 @@ def result_path(results: Path, utc_time: str, commit: str) -> Path:
     return results / f"gpu-check-{utc_time}-{commit}.json"
 
 
+def summary(f: dict) -> str:
+    """The headline figures in a line."""
+    o, w = f["overhead"], f["window_spread"]
+    return (f"scaletrain {o['scaletrain_images_per_sec']:.0f} images/s against {o['bare_same_loader_images_per_sec']:.0f} "
+            f"for a bare loop with the same loader: {o['ratio']:.3f} (goal {o['goal']}); the input's cost: "
+            f"{f['input_cost']['ratio']:.3f} of a resident batch; windows within {percent(w['scaletrain'])} of their "
+            f"median (bare loop {percent(w['bare_loader'])}; goal {w['goal']:.0%})")
+
+
+def percent(x: float | None) -> str:
+    return "n/a (no window)" if x is None else f"{x:.0%}"
+
+
 def say(text: str) -> None:
     print(f"gpu-check: {text}", flush=True)
 
@@ -321,12 +334,8 @@ def main() -> int:
     out = result_path(RESULTS, time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime()),  # a later run never overwrites
                       git("rev-parse", "--short", "HEAD") or "unknown")
     out.write_text(json.dumps(result, indent=1) + "\n")
-    if f := result["figures"]:
-        o, w = f["overhead"], f["window_spread"]
-        say(f"scaletrain {o['scaletrain_images_per_sec']:.0f} images/s against {o['bare_same_loader_images_per_sec']:.0f} "
-            f"for a bare loop with the same loader: {o['ratio']:.3f} (goal {o['goal']}); input's cost: "
-            f"{f['input_cost']['ratio']:.3f} of a resident batch; windows within {w['scaletrain']:.0%} of their median "
-            f"(bare {w['bare_loader']:.0%}; goal {w['goal']:.0%})")
+    if result["figures"]:
+        say(summary(result["figures"]))
     ok = passed(result)
     say(f"{'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; wrote {out}")
     return 0 if ok else 1

@@ -137,6 +137,9 @@ def test_result_json_gives_like_for_like_figures(tmp_path):
     assert f["goals_met"] == {"overhead_ratio": True, "window_spread": True}
     assert f["host_waits"]["scaletrain"]["host_wait_ms_per_step"] == 1.5
     assert len(f["host_waits"]["scaletrain"]["top_self_cpu"]) == 5
+    assert gpu_check.summary(f) == ("scaletrain 2450 images/s against 2520 for a bare loop with the same loader: 0.972 "
+                                    "(goal 0.97); the input's cost: 0.955 of a resident batch; windows within 5% of "
+                                    "their median (bare loop 5%; goal 10%)")
     assert "images_per_sec_per_gpu" not in result and "ddp_parity" not in result["commands"]
     assert result["benchmarks"] == benches and result["tests"] == tests and result["run_info"] == info
     assert gpu_check.passed(result)
