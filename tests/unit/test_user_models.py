@@ -99,6 +99,9 @@ def test_the_torchvision_of_a_torch_release():
         "pip install 'torchvision==0.20.*' 'torch==2.5.1+cu124' --extra-index-url https://download.pytorch.org/whl/cu124")
     assert extra_command(["timm"], "2.11.0", replace_torchvision=True) == (
         "pip uninstall -y torchvision && pip install timm 'torchvision==0.26.*' 'torch==2.11.0'")
+    # make install-into-env EXTRAS=... runs it with the environment's own pip
+    assert extra_command(["torchvision"], "2.11.0", pip="/opt/py/bin/python -m pip") == (
+        "/opt/py/bin/python -m pip install 'torchvision==0.26.*' 'torch==2.11.0'")
 
 
 @pytest.fixture(scope="module")

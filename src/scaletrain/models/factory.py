@@ -116,17 +116,18 @@ def torch_index(torch_version: str) -> str | None:
     return f"https://download.pytorch.org/whl/{tag}" if re.fullmatch(r"cpu|cu\d+|rocm[\d.]+", tag) else None
 
 
-def extra_command(packages: list[str], torch_version: str, replace_torchvision: bool = False) -> str:
+def extra_command(packages: list[str], torch_version: str, replace_torchvision: bool = False, pip: str = "pip") -> str:
     """One command line installing `packages` (torchvision, timm) against the torch installed, never
     replacing it: that torch's own version is a requirement pip finds met, beside the torchvision made
     for it, from PyTorch's index of that build (a torchvision of PyPI's is built for PyPI's torch).
-    replace_torchvision: uninstall the torchvision there first (one built for another torch)."""
+    replace_torchvision: uninstall the torchvision there first (one built for another torch). pip: the
+    command that runs pip (e.g. "/path/python -m pip")."""
     tv = torchvision_for(torch_version)
     wanted = [*(["timm"] if "timm" in packages else []), f"'torchvision=={tv}.*'" if tv else "torchvision",
               f"'torch=={torch_version}'"]
     index = torch_index(torch_version)
-    return ("pip uninstall -y torchvision && " if replace_torchvision else "") + \
-        f"pip install {' '.join(wanted)}" + (f" --extra-index-url {index}" if index else "")
+    return (f"{pip} uninstall -y torchvision && " if replace_torchvision else "") + \
+        f"{pip} install {' '.join(wanted)}" + (f" --extra-index-url {index}" if index else "")
 
 
 def extra_error(package: str, error: BaseException, torch_version: str) -> str:
