@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..imports import one_line
+from ..models.factory import extra_error
 from . import decode
 from .sources import BadImage
 
@@ -122,20 +124,14 @@ def torchvision_io():
     try:
         from torchvision.io import ImageReadMode, decode_jpeg  # optional extra, with no build for CPU-only machines
     except Exception as e:  # noqa: BLE001 - missing, or installed but built for another torch
-        raise ConfigError(f"data.decode = 'device' on a GPU decodes with nvJPEG through torchvision, which does not "
-                          f"import here ({one_line(e)}): install the torchvision built for torch {torch.__version__} "
-                          "(pip install 'scaletrain[torchvision]'), or set data.decode = 'loader'") from None
+        raise ConfigError(f"data.decode = 'device' on a GPU decodes with nvJPEG through torchvision, and "
+                          f"{extra_error('torchvision', e, torch.__version__)}; or set data.decode = 'loader'") from None
     return decode_jpeg, ImageReadMode.RGB
 
 
 def decoder_for(device: torch.device):
     """The decoder of data.decode = "device" on this device: nvJPEG on CUDA, libjpeg-turbo elsewhere."""
     return nvjpeg_decoder if device.type == "cuda" else host_decoder
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 # -- fit and move: pure tensor work, the same on every device --
