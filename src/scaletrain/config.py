@@ -38,8 +38,8 @@ def opt(default, doc: str, *, choices=None, lo=None, hi=None, parse=None):
 class ModelConfig:
     name: str = opt("resnet20", "network: resnet8 | resnet20 (CIFAR-style) | resnet18 | resnet50, or your own by "
                     "import path: package.module:factory (called with num_classes= and model.args; the module "
-                    "importable on every node) | torchvision:NAME | timm:NAME (extras scaletrain[torchvision], "
-                    "scaletrain[timm])", parse=parse_model_name)
+                    "importable on every node) | torchvision:NAME | timm:NAME (installed beside the torch there: "
+                    "docs/devices.md)", parse=parse_model_name)
     num_classes: int = opt(1200, "number of output classes (1..100000)", lo=1, hi=100_000)
     norm: str = opt("batch", "built-in ResNets: normalisation layer: batch (BatchNorm) | group (GroupNorm, "
                     "batch-independent)", choices=("batch", "group"))
