@@ -34,48 +34,23 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .compute import autocast, grads_to_none
 from .errors import ConfigError, RunError
 from .metrics import DeviceTimer, sync
-from .models import build_model
+from .pipeline_split import (balance, layers, merge_in_place, meta_split, named_starts,  # noqa: F401 - theirs
+                             planned_split, stage_module)
 from .ps.protocol import TAG_SPLIT
 
 
-def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The network's layers in the order a forward applies them."""
-    made = getattr(model, "pipeline_layers", None)
-    if callable(made):
-        return list(made())
-    if isinstance(model, nn.Sequential):
-        return list(model.named_children())
-    raise ConfigError(f"parallel.stages > 1: {type(model).__name__} cannot be split into stages: give it a method "
-                      "pipeline_layers() returning its (name, module) layers in forward order, or build it as a "
-                      "torch.nn.Sequential (docs/pipeline.md)")
-
-
-def balance(costs: list[float], stages: int) -> list[int]:
-    """The first layer of each stage (0 first) of the contiguous split of `costs` into `stages` parts
-    whose largest sum is smallest (a pipeline runs at the pace of its slowest stage); ties go to the
-    split with the earliest points. Exact, by dynamic programming: O(stages x layers^2)."""
-    n = len(costs)
-    if n < stages:
-        raise ConfigError(f"parallel.stages = {stages}: the network has {n} layers to split")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the smallest largest part over splits of the first i layers into k parts
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i] - 1e-12 * max(1.0, abs(v)):
-                    best[k][i], cut[k][i] = v, j
-    starts, i = [], n
-    for k in range(stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
+def p2p_pairs(ranks: list[int], replica: int) -> list[tuple[int, int]]:
+    """(sender, receiver) of every single send and receive a replica's stages (`ranks`, stage order) make
+    after start-up, in the order each process warms them: evaluation's activations, each stage to the
+    next (every replica; the schedule's first step sends single messages on these pairs too, the vote
+    of torch.distributed.pipelining's stages); the checkpoint's gather, every later stage to the first
+    (replica 0 only). A pair's communicator serves both directions.
+    Ordered by the pair's ranks, so that each pair's two processes meet at it: the first pair left is
+    the next of both its processes."""
+    pairs = [(ranks[s], ranks[s + 1]) for s in range(len(ranks) - 1)]
+    if replica == 0:
+        pairs += [(ranks[k], ranks[0]) for k in range(2, len(ranks))]
+    return sorted(pairs, key=lambda p: (min(p), max(p)))
 
 
 def backend_refused(device_type: str, backend: str) -> str | None:
@@ -85,54 +60,6 @@ def backend_refused(device_type: str, backend: str) -> str | None:
         return ("parallel.stages on GPUs needs NCCL between them, not cluster.backend = 'gloo' (its point-to-point "
                 "sends take no GPU tensors): set cluster.backend = 'auto', a GPU a process")
     return None
-
-
-def stage_module(model: nn.Module, starts: list[int], stage: int) -> nn.Module:
-    """The layers of one stage of a split (starts: the first layer of each stage), as one module."""
-    mods = [m for _, m in _merge_in_place(layers(model))]
-    return nn.Sequential(*mods[starts[stage]:(starts + [len(mods)])[stage + 1]])
-
-
-def named_starts(names: list[str], split: list[str]) -> list[int]:
-    """parallel.split's names as the first layer of stages 2, 3, ..."""
-    starts = [0]
-    for name in split:
-        if name not in names:
-            raise ConfigError(f"parallel.split: no layer {name!r}; the layers are {', '.join(names)}")
-        i = names.index(name)
-        if i <= starts[-1]:
-            raise ConfigError(f"parallel.split = {split!r}: {name!r} does not come after the previous split point "
-                              "(the names go in forward order, each stage at least one layer)")
-        starts.append(i)
-    return starts
-
-
-def meta_split(cfg) -> tuple[list[str], list[int], list[int], list[nn.Module]]:
-    """(layer names, their parameters, the first layer of each stage, the layers) of the recipe's network
-    as a run splits it without measuring: by parallel.split, else by parameters. The network is built on
-    the meta device: no memory, no compute (its layers run on meta tensors for shapes)."""
-    with torch.device("meta"):
-        named = _merge_in_place(layers(build_model(cfg.model, weights=False)))
-    names, params = [n for n, _ in named], [sum(q.numel() for q in m.parameters()) for _, m in named]
-    p = cfg.parallel
-    starts = named_starts(names, p.split) if p.split else balance([float(n) for n in params], p.stages)
-    return names, params, starts, [m for _, m in named]
-
-
-def planned_split(cfg) -> str:
-    """The layers of the recipe's network and the stages parallel.split or a split by parameters makes of
-    them, for `scaletrain plan` (a run with parallel.balance = time splits by the times it measures, and
-    its summary.json says where)."""
-    names, params, starts, _ = meta_split(cfg)
-    p = cfg.parallel
-    how = "parallel.split" if p.split else "parameters" + (
-        " (the run splits by the layers' measured times, parallel.balance = time: its summary.json says where)"
-        if p.balance == "time" else "")
-    lines = [f"{p.stages} stages, by {how}; {p.microbatches} micro-batches a batch, {p.schedule}:"]
-    for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(names)])):
-        lines.append(f"  stage {k + 1}: {names[a]} .. {names[b - 1]} ({b - a} layers, {sum(params[a:b]):,} parameters)")
-    lines.append(f"layers (parallel.split names where stages 2.. begin): {', '.join(names)}")
-    return "\n".join(lines)
 
 
 @dataclass
@@ -185,18 +112,6 @@ def measure(mods: list[nn.Module], x: torch.Tensor, device: torch.device, precis
     return Profile(seconds, params, shapes, dtypes, in_shape, in_dtype, out_bytes)
 
 
-def _merge_in_place(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """An in-place layer (ReLU(inplace=True)) joins the layer before it: a stage's input is a leaf
-    that autograd must keep, which an in-place first layer would overwrite."""
-    out: list[tuple[str, nn.Module]] = []
-    for name, m in named:
-        if out and getattr(m, "inplace", False):
-            out[-1] = (out[-1][0], nn.Sequential(out[-1][1], m))
-        else:
-            out.append((name, m))
-    return out
-
-
 class Stages(nn.Module):
     """What job.wrap returns where a replica is split into stages: its forward and backward are the
     pipeline schedule's (job.forward_backward), not a call of a module."""
@@ -223,7 +138,7 @@ class Pipeline:
         refused = backend_refused(device.type, dist.get_backend(self.group))
         if refused:
             raise ConfigError(refused)
-        named = _merge_in_place(layers(model))
+        named = merge_in_place(layers(model))
         self.names, mods = [n for n, _ in named], [m for _, m in named]
         micro = cfg.data.batch_size // self.M
         sample = torch.zeros(micro, 3, cfg.data.image_size, cfg.data.image_size)
@@ -255,6 +170,33 @@ class Pipeline:
         # Seconds this stage computed (its forwards and backwards) and ran schedules: the rest is its idle time,
         # the bubble. DeviceTimers: CUDA events on a GPU, no host-device sync per step.
         self.busy, self.total = DeviceTimer(device), DeviceTimer(device)
+        self.warmed = self._warm()
+
+    def _warm(self) -> list[tuple[int, int]]:
+        """One element over each pair of p2p_pairs now, at start-up. Under NCCL a single send or receive
+        builds its pair's two-rank communicator at its first use: without this, at the first evaluation
+        or checkpoint, long after the start-up check of the groups (comm/groups.py), where a pair that
+        cannot talk (a NIC, a peer's interface) would fail late. Costs one host-device sync. Returns the
+        pairs this process took part in."""
+        me, on, done = self.ctx.me.rank, self._host(), []
+        for src, dst in p2p_pairs(self.ranks, self.ctx.plan.replica_of(self.ctx.me)):
+            if me not in (src, dst):
+                continue
+            t = torch.ones(1, device=on)
+            try:
+                if me == src:
+                    dist.send(t, dst=dst, group=self.group)  # point-to-point, as evaluation and gather send
+                else:
+                    dist.recv(t, src=src, group=self.group)
+                sync(on)  # host-device sync under NCCL: the pair has really exchanged
+            except Exception as e:  # noqa: BLE001 - any failure here is the pair's, said in one line
+                plan = self.ctx.plan
+                raise RunError(f"the stages of replica {plan.replica_of(self.ctx.me)} could not exchange at start-up "
+                               f"between {plan.describe(src)} and {plan.describe(dst)} over "
+                               f"{dist.get_backend(self.group)}: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
+                               ) from None
+            done.append((src, dst))
+        return done
 
     def figures(self) -> dict:
         """This process's pipeline figures for the job's summary (stats.FIELDS)."""

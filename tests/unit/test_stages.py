@@ -116,3 +116,24 @@ def test_replicas_count_stages():
     from scaletrain.schedule import step_images
     from scaletrain.strategies.traits import images_per_update
     assert step_images(cfg) == images_per_update(cfg) == 2 * 2 * 8
+
+
+def test_the_pairs_warmed_at_start_up_are_those_evaluation_and_checkpoints_use():
+    """Evaluation sends each stage's activations to the next on every replica; a checkpoint gathers every
+    later stage of replica 0 into its first. Under NCCL each such pair builds a communicator of its own at
+    its first single send: every one is warmed at start-up, in an order both of its processes reach."""
+    from scaletrain.pipeline import p2p_pairs
+
+    assert p2p_pairs([0, 1], 0) == [(0, 1)]  # evaluation's (0 -> 1) is the gather's pair (1 -> 0) too
+    assert p2p_pairs([2, 3], 1) == [(2, 3)]
+    assert p2p_pairs([0, 1, 2, 3], 0) == [(0, 1), (2, 0), (3, 0), (1, 2), (2, 3)]
+    assert p2p_pairs([4, 5, 6, 7], 1) == [(4, 5), (5, 6), (6, 7)]  # no gather: replica 0's stages hold the same
+    # the order is deadlock-free: played out with blocking exchanges, every process gets through its pairs
+    for ranks, replica in (([0, 1, 2, 3], 0), ([0, 1, 2, 3, 4, 5], 0), ([8, 9, 10], 0)):
+        todo = {r: [p for p in p2p_pairs(ranks, replica) if r in p] for r in ranks}
+        while any(todo.values()):
+            ready = [p for p in {ps[0] for ps in todo.values() if ps} if all(todo[r][0] == p for r in p)]
+            assert ready, todo  # some pair's both processes are at it
+            for a, b in ready:
+                todo[a].pop(0)
+                todo[b].pop(0)
