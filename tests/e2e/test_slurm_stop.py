@@ -1,0 +1,30 @@
+"""A scheduler's stop under real Slurm (the emulated cluster of tests/slurm_cluster.py): SIGTERM to
+every process of a job step whose tasks have loader processes, as `scancel --signal=TERM` sends it
+(to every process of every step but the batch script's), ends with a complete checkpoint and exit 75."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from test_slurm import cluster, left_behind, start, wait_for_step  # noqa: F401 - cluster: the module's fixture
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="not root: the emulated Slurm cluster needs root "
+                                "to start munged and slurmd")
+
+
+def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(cluster, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    p, job = start(cluster, run_dir, "cluster.nodes=2", "strategy.name=allreduce", "data.workers=1",
+                   "train.steps=100000", "train.log_every=1", args=("--time", "00:10:00", "--no-requeue"))
+    wait_for_step(run_dir, 5)
+    subprocess.run(["scancel", "--signal=TERM", job], env=cluster.env, check=True)
+    out, err = p.communicate(timeout=120)
+    logs = "\n".join(f.read_text() for f in sorted((run_dir / "logs").glob("*")) if f.suffix in (".out", ".log"))
+    assert "Traceback" not in logs and "killed by signal" not in logs, logs
+    stopped = re.search(r"stopped at step (\d+); its checkpoint is complete", logs)
+    assert stopped, out + err + logs
+    assert (run_dir / "checkpoints" / f"ckpt-{int(stopped.group(1)):08d}.pt").exists()
+    assert f"Slurm job {job} failed (exit status 75)" in err or p.returncode == 75, out + err
+    assert not left_behind(run_dir)
