@@ -2,6 +2,7 @@
 every process of a job step whose tasks have loader processes, as `scancel --signal=TERM` sends it
 (to every process of every step but the batch script's), ends with a complete checkpoint and exit 75."""
 
+import json
 import os
 import re
 import subprocess
@@ -27,4 +28,25 @@ def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(cluster, tmp_p
     assert stopped, out + err + logs
     assert (run_dir / "checkpoints" / f"ckpt-{int(stopped.group(1)):08d}.pt").exists()
     assert f"Slurm job {job} failed (exit status 75)" in err or p.returncode == 75, out + err
+    assert not left_behind(run_dir)
+
+
+def test_scontrol_requeue_of_a_job_with_loaders_resumes_from_its_stop(cluster, tmp_path):  # noqa: F811
+    """`scontrol requeue`: Slurm sends SIGTERM to every process of the job and queues it again; the
+    stop's checkpoint is where the next run starts, and no step is lost."""
+    run_dir = tmp_path / "run"
+    p, job = start(cluster, run_dir, "cluster.nodes=2", "strategy.name=allreduce", "data.workers=1",
+                   "train.steps=200", "train.log_every=1")
+    wait_for_step(run_dir, 5)
+    subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
+    out, err = p.communicate(timeout=240)
+    logs = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert p.returncode == 0, out + err + logs
+    assert f"Slurm job {job} completed after 1 requeue" in out, out + err
+    assert "Traceback" not in logs and "killed by signal" not in logs, logs
+    stopped = re.search(r"stopped by SIGTERM at step (\d+)", logs)
+    assert stopped, logs
+    steps = [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(r).get("kind") == "train"]
+    assert steps == list(range(1, 201)), steps  # resumed at the stop's step: none lost, none twice
     assert not left_behind(run_dir)
