@@ -45,6 +45,18 @@ def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(tmp_path, env,
     assert json.loads((run_dir / "summary.json").read_text())["start_step"] == steps[-1]
 
 
+def children(pid):
+    """The processes whose parent is pid."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return out
+
+
 def importing_torch(pid):
     """Whether the process has begun to load torch's libraries (and so is past its entry point's top)."""
     try:
@@ -81,13 +93,10 @@ def test_sigterm_to_a_job_process_still_starting_stops_the_job(tmp_path, env):
     holds the signal until its handlers are in place, and the whole job stops at its first sync point."""
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=allreduce", "train.steps=100000")
-    while True:  # the launcher, its starter, and the starter's first fork
-        tree = descendants(p.pid)
-        if len(tree) >= 2:
-            break
+    while not (forked := [pid for starter in children(p.pid) for pid in children(starter)]):  # the starter's forks
         assert p.poll() is None, p.communicate()
         time.sleep(0.005)
-    os.kill(tree[-1], signal.SIGTERM)
+    os.kill(forked[0], signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 75, err
     assert "stopped" in err.splitlines()[-1] and "failed" not in err and "Traceback" not in err, err
