@@ -48,7 +48,10 @@ status into 137 and lose the requeue.
 Signals in the batch step: srun forwards SIGUSR1 to its tasks but answers
 SIGTERM by killing the step, with no checkpoint. So `run_job` forwards both
 with `scancel --signal=SIG JOB.STEP`, which delivers the signal and nothing
-more; it finds its step by the step name it gave srun.
+more; it finds its step by the step name it gave srun. A SIGTERM that reaches
+srun itself (`scancel --full`; a time limit or a preemption, which signal the
+batch step too) still kills the step: srun sets its own handling of the signal
+whatever it inherits, so the job's time limit has the warning signal before it.
 
 `submit(wait=True)` follows the job with `scontrol show job` (no accounting
 database needed) and names how it ended as Slurm does: completed (also after
@@ -74,7 +77,7 @@ from ..errors import EXIT_STOPPED
 from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
 from ..strategies import traits
-from . import cpus, fabric, flags
+from . import cpus, early, fabric, flags
 from .env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
@@ -232,6 +235,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
             forward_signal(job, name, sig, step[0])
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, WARNING)}
+    came = early.take(old)  # held until these handlers (launch/early.py): passed on as srun starts
+    got += [came] if came else []
     try:
         step.append(subprocess.Popen(cmd, env=env))
         for sig in got:  # arrived while srun was starting
