@@ -12,6 +12,7 @@ from test_strategies import EXACT, latest_checkpoint, max_diff, run
 from scaletrain.cli import main
 
 from conftest import RECIPES, ROOT
+from p2p_spy import pairs_used
 
 BATCH = 32
 # resnet8 on digits: the layers stem, layer1.0, layer2.0, layer3.0, fc; momentum and decay make the
@@ -128,51 +129,17 @@ def test_stages_under_a_sync_parameter_server_equal_one_process(tmp_path):
     assert max_diff(single, four) <= 1e-5
 
 
-# Every single send and receive of a job of 3 stages (evaluation's activations, the checkpoints' gather),
-# recorded as (sender, receiver) by a pass-through around torch.distributed's, at start-up (up to the
-# end of job.wrap) and after.
-SPIED = """
-import json, sys
-import torch.distributed as dist
-import scaletrain
-
-used, phase, send, recv = {"start": [], "after": []}, ["start"], dist.send, dist.recv
-
-def spy_send(tensor, *args, **kwargs):
-    used[phase[0]].append((dist.get_rank(), kwargs["dst"]))
-    return send(tensor, *args, **kwargs)
-
-def spy_recv(tensor, *args, **kwargs):
-    used[phase[0]].append((kwargs["src"], dist.get_rank()))
-    return recv(tensor, *args, **kwargs)
-
-dist.send, dist.recv = spy_send, spy_recv
-cfg = scaletrain.load_config(sys.argv[1], ["parallel.stages=3", "cluster.gpus_per_node=3", "model.name=resnet8",
-                                           "train.steps=4", "train.eval_every=2", "train.checkpoint_every=2",
-                                           "data.workers=0", "train.threads=1", "cluster.timeout_s=30"])
-with scaletrain.Job.from_env(cfg, run_dir=sys.argv[2]) as job:
-    job.wrap(scaletrain.build_model(cfg.model))
-    phase[0] = "after"
-    for x, y in job.batches():
-        job.step(job.forward_backward(x, y))
-    rank = job.ctx.me.rank
-with open(f"{sys.argv[2]}/p2p{rank}.json", "w") as f:
-    json.dump(used, f)
-"""
-
-
 def test_every_pair_evaluation_and_checkpoints_use_is_warmed_at_start_up(tmp_path):
     """Under NCCL a pair's first single send builds its communicator: each pair that evaluation and the
     checkpoints use later has exchanged at start-up, so that one that cannot talk fails there."""
-    path, run_dir = tmp_path / "spied.py", tmp_path / "run"
-    path.write_text(SPIED)
-    r = subprocess.run([sys.executable, str(path), str(RECIPES / "digits.toml"), str(run_dir)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "p2p_spy.py"), str(RECIPES / "digits.toml"), str(run_dir),
+                        "parallel.stages=3", "cluster.gpus_per_node=3", "train.threads=1", "cluster.timeout_s=30"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for rank in range(3):  # a communicator is a pair's, whichever way it sends: pairs without their direction
-        used = {k: {frozenset(p) for p in v} for k, v in json.loads((run_dir / f"p2p{rank}.json").read_text()).items()}
+    for rank in range(3):
+        used = pairs_used(run_dir, rank)
         assert used["after"] and used["after"] <= used["start"], (rank, used)
     # the last stage: evaluation's activations from stage 2 (and the schedule's first step, whose vote
     # torch's pipelining sends by single sends to the neighbours), and the gather into stage 1
-    last = {frozenset(p) for p in json.loads((run_dir / "p2p2.json").read_text())["after"]}
-    assert last == {frozenset((1, 2)), frozenset((2, 0))}
+    assert pairs_used(run_dir, 2)["after"] == {frozenset((1, 2)), frozenset((2, 0))}
