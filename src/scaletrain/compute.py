@@ -127,8 +127,7 @@ class Backprop:
     """Forward and backward of each batch the loader gives, through the module job.wrap returned (which
     autocasts and is compiled as the recipe says: compute.around)."""
 
-    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 loss=None) -> None:
+    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss=None) -> None:
         """loss(output, y): the batch's loss (the job's, job.loss; by default the recipe's, optim.loss_fn)."""
         self.model, self.optimizer = model, optimizer
         if loss is None:

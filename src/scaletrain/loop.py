@@ -32,7 +32,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         elif job.pipeline:  # the replica's stages: the pipeline schedule's forwards and backwards
             compute = lambda batch: (job.forward_backward(*batch), len(batch[1]))  # noqa: E731
         else:
-            compute = Backprop(cfg, forward, opt, job.device, job.loss)
+            compute = Backprop(cfg, forward, opt, job.loss)
         for batch in job.batches():
             loss, _ = compute(batch)  # forward and backward: .grad holds this replica's gradient
             job.step(loss)

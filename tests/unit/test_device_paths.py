@@ -40,7 +40,7 @@ ddp = data_parallel(model, None)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(rank)
 batches = [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(8)]
-work = Backprop(load_config(None), ddp, opt, torch.device("cpu"))
+work = Backprop(load_config(None), ddp, opt)
 batches = iter(batches)
 seen = {}
 for i, p in enumerate(model.parameters()):
@@ -147,7 +147,7 @@ def test_evaluation_autocasts_as_training_does(monkeypatch):
     cfg = load_config(None, ["train.precision=bf16", "optim.weight_decay=0"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     forward, keys = compute.around(model, opt, "bf16", False, cpu)  # job.wrap's module
-    work = compute.Backprop(cfg, forward, opt, cpu)
+    work = compute.Backprop(cfg, forward, opt)
     work(batches[0])
     evaluate(model, batches, cpu, lambda b: b, None, 1, "bf16")
     assert model.seen == [torch.bfloat16, torch.bfloat16]
