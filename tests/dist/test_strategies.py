@@ -87,7 +87,7 @@ def test_mixed_async_staleness_is_the_other_nodes_updates(tmp_path):
 
 def test_slow_node_is_staler_and_does_not_hold_others_back(tmp_path):
     s, _ = run(tmp_path, "slow", *cluster(4, 1, 1, "mixed-async", "strategy.slow_node=3",
-                                          "strategy.slow_delay_s=0.1"), "data.workers=0", "train.steps=80",
+                                          "strategy.slow_delay_s=0.3"), "data.workers=0", "train.steps=80",
                "train.eval_every=0")
     by_node = {w["node"]: w for w in s["per_worker"]}
     fast = [by_node[n] for n in (0, 1, 2)]
