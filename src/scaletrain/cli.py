@@ -14,10 +14,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import doctor
+from . import doctor, twin
 from .config import field_docs, load_config
 from .data.shards import pack, parse_size
-from .errors import REPORTED, ConfigError, GridError, UntilError
+from .errors import REPORTED, ConfigError, GridError, LaunchError, UntilError
 from .launch import early, env as launch_env, flags, preflight, slurm, supervise, torchrun
 from .launch.env import plan_for
 from .launch.join import exit_now
@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--workers", type=int, default=0, help="processes that read and check images (default: all cores)")
     pk.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
+    tw = sub.add_parser("twin", help="the cluster twin (cluster.network = netns, root): test its links, or remove "
+                        "what a killed job's twin left")
+    tw.add_argument("action", choices=("test", "clean"), help="test: make a 2-node twin and measure its link; "
+                    "clean: delete the namespaces of twins whose launcher is gone")
+    tw.add_argument("--gbps", type=float, default=10.0, help="test: the link's rate, Gbit/s (default 10)")
+    tw.add_argument("--seconds", type=float, default=2.0, help="test: seconds of traffic (default 2)")
     dr = sub.add_parser("doctor", help="check this machine before a long job: torch, GPUs, network, Slurm, "
                         "and with a recipe what would not work here")
     dr.add_argument("--recipe", help="TOML recipe to check against this machine (optional)")
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "doctor":
         return doctor.main(args)
+    if args.command == "twin":
+        return _twin(args)
     if args.command == "report":
         return report.main(args)
     if args.command == "calibrate":
@@ -228,6 +236,25 @@ def _predict(args) -> int:
                                           args.min_efficiency, args.max_staleness, target, args.learning)
     return commands.predict_command(args.profile, args.recipe, args.overrides, grid, args.format, args.spread,
                                     args.images, args.epochs, target, args.learning)
+
+
+def _twin(args) -> int:
+    """`twin clean`: what killed jobs' twins left, removed; `twin test`: a 2-node twin's measured link, as JSON."""
+    if twin.privileges():
+        print(f"scaletrain: error: {twin.privileges()}", file=sys.stderr)
+        return 2
+    if args.action == "clean":
+        removed = twin.clean()
+        print(f"removed {len(removed)} namespaces of twins whose launcher is gone" + (f": {', '.join(removed)}" if removed else ""))
+        return 0
+    try:
+        with twin.Twin.make(2, args.gbps) as made:
+            print(json.dumps({"set_gbps": args.gbps, "measured_gbps": round(twin.measure(made, 0, 1, args.seconds), 4),
+                              "seconds": args.seconds}))
+    except LaunchError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _plan(args, cfg, run_dir: Path) -> int:

@@ -151,7 +151,9 @@ class Emulated:
     same every step on every replica (drawn once from train.seed), so all strategies and runs agree."""
 
     def __init__(self, cfg, model: torch.nn.Module, device: torch.device) -> None:
-        self.seconds, self.images, self.device = cfg.train.emulate_compute_s, cfg.data.batch_size, device
+        # the twin's time dilation (twin/dilation.py): the cluster's step, k times longer
+        self.seconds = cfg.train.emulate_compute_s * cfg.cluster.time_scale
+        self.images, self.device = cfg.data.batch_size, device
         gen = torch.Generator().manual_seed(cfg.train.seed)
         self.params = list(model.parameters())
         # Memory: one more copy of the parameters.

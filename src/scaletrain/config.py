@@ -167,6 +167,15 @@ class ClusterConfig:
                        "but replicas of one host may share a GPU)", choices=("auto", "gloo"))
     ifname: str = opt("", "network interface for gloo's and NCCL's sockets, e.g. ib0 ('' = an InfiniBand ib* "
                       "interface where there is one, loopback for a job on this machine, else the host name's)")
+    network: str = opt("loopback", "how the local launcher's emulated nodes reach each other: loopback (at memory "
+                       "speed) | netns (the cluster twin: a network namespace per node, links shaped to link_gbps; "
+                       "root; docs/twin.md)", choices=("loopback", "netns"))
+    link_gbps: float = opt(10.0, "the cluster twin: each node's link, Gbit/s each way (0.001..400)", lo=0.001, hi=400.0)
+    slow_link_node: int = opt(-1, "the cluster twin: node whose link runs at slow_link_gbps (-1 = none)", lo=-1, hi=4095)
+    slow_link_gbps: float = opt(1.0, "the cluster twin: the slow node's link, Gbit/s each way (0.001..400)",
+                                lo=0.001, hi=400.0)
+    time_scale: float = opt(1.0, "the cluster twin's time dilation k: emulated compute k times longer and links k "
+                            "times slower, figures reported at the cluster's speed (1..1000)", lo=1.0, hi=1000.0)
     ps_threads: int = opt(0, "CPU threads a PS process takes at least; under Slurm it also takes every CPU of its "
                           "node the workers there leave (0 = 1, or the local launcher's share; 0..1024)", lo=0, hi=1024)
     setup: list = opt([], "shell lines a Slurm job runs before it starts, e.g. [\"module load cuda/12.4\"]; "

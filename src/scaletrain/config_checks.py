@@ -73,6 +73,15 @@ def check_relations(cfg) -> None:
                               f"{', '.join(STOP_SIGNALS)}")
     if s.slow_node >= c.nodes:
         raise ConfigError(f"strategy.slow_node = {s.slow_node}: no such node (cluster.nodes = {c.nodes})")
+    if c.network != "netns":
+        for key, value, unset in (("time_scale", c.time_scale, 1.0), ("slow_link_node", c.slow_link_node, -1)):
+            if value != unset:
+                raise ConfigError(f"cluster.{key} = {value}: acts in the cluster twin only; set cluster.network = netns")
+    if c.slow_link_node >= c.nodes:
+        raise ConfigError(f"cluster.slow_link_node = {c.slow_link_node}: no such node (cluster.nodes = {c.nodes})")
+    if c.time_scale != 1 and not t.emulate_compute_s:
+        raise ConfigError(f"cluster.time_scale = {c.time_scale}: dilates emulated compute only; set "
+                          "train.emulate_compute_s > 0 (the step time of the GPU the twin stands for)")
     if c.min_nodes > c.nodes:
         raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
     _check_model(cfg.model)

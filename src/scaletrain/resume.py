@@ -32,6 +32,8 @@ RESUMABLE_CHANGES = {
     "train.keep_checkpoints", "train.log_every", "train.warmup_log_steps", "train.target_accuracy",
     "train.target_loss",
     "data.workers", "data.prefetch", "data.decode", "cluster.master_addr", "cluster.master_port", "cluster.timeout_s",
+    "cluster.network", "cluster.link_gbps", "cluster.slow_link_node", "cluster.slow_link_gbps", "cluster.time_scale",
+    "cluster.ifname",
 }
 
 

@@ -51,6 +51,9 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
     # An impossible cluster shape fails here, before any work; a local job also on this host's GPUs.
     launch_env.plan_for(cfg, None if launch_env.in_slurm_allocation() else facts())
     member = launch_env.in_torchrun() or launch_env.in_slurm_step()
+    if cfg.cluster.network == "netns" and (member or launch_env.in_slurm_allocation()):
+        raise LaunchError("cluster.network = netns: the cluster twin emulates nodes on one machine (the local "
+                          "launcher); under torchrun or Slurm the nodes have a network of their own: set it to loopback")
     if not (cfg.distributed and member):  # a process of a job meets its peers, and they stop together
         early.check(run_dir)  # a stop signal during start-up: nothing begun, nothing to checkpoint
     if not cfg.distributed:

@@ -20,6 +20,7 @@ from safetensors.torch import save
 from .checkpoint import write_file
 from .comm.end import store_gather
 from .metrics import run_info
+from .twin.dilation import cluster_figures
 
 HIST_BINS = 64  # the histograms' bins (staleness, gradients per update): 0..62, the last holds 63 and above
 FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
@@ -188,5 +189,7 @@ def write_summary(run_dir: Path, model: torch.nn.Module, fields: dict, cfg, ctx,
         "stages": ctx.plan.stages,
         **run_info(device), **job, **strategy_stats,
     }
+    if c.network == "netns":  # the cluster twin's figures, at the cluster's speed
+        summary = cluster_figures(summary, c.time_scale, run_dir)
     write_file(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode(), "the summary")
     return summary

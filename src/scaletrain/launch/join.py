@@ -27,6 +27,7 @@ from ..errors import EXIT_PEER, USER_ERRORS, ConfigError, PlanError, Stopped
 from ..metrics import start_up
 from ..ps.server import run_shard
 from . import env as launch_env
+from . import fabric
 from .env import LaunchError, Rendezvous
 
 
@@ -162,6 +163,8 @@ def record(run_dir: Path, plan, rdzv: Rendezvous) -> None:
         "device": p.device, "pid": os.getpid(), "host": socket.gethostname(), "launcher": rdzv.launcher,
         "job": rdzv.job, "rendezvous": f"{rdzv.addr}:{rdzv.port}", "threads": torch.get_num_threads(),
         "cpus_allowed": sorted(os.sched_getaffinity(0)),  # what a scheduler's cgroup or binding left it
+        "net_namespace": os.stat("/proc/self/ns/net").st_ino,  # one per node in the cluster twin
+        "addresses": fabric.interfaces(),
         **{k: os.environ[k] for k in ("SLURMD_NODENAME", "SLURM_NODEID", "SLURM_LOCALID", "SLURM_STEP_GPUS",
                                       "GROUP_RANK", "LOCAL_RANK")
            if k in os.environ}}) + "\n")

@@ -44,6 +44,7 @@ from ..errors import EXIT_PEER, EXIT_STOPPED
 from ..metrics import LAUNCHED, start_up
 from ..plan import Plan, node_name
 from ..strategies import traits
+from .. import twin as twins
 from . import early
 from .env import LaunchError, plan_for, script_env
 from .fork import Forked, Starter, die_with_parent
@@ -99,8 +100,12 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     user's script and its arguments, which each process runs (job.Job.from_env), instead of the
     built-in loop."""
     plan = plan_for(cfg, facts())
+    netns = cfg.cluster.network == "netns"
+    if netns:  # the cluster twin: node 1 holds the rendezvous, on an address and a port of its own
+        cfg = cfg.replace(**{"cluster.master_addr": twins.address(0), "cluster.ifname": twins.IFNAME,
+                             "cluster.master_port": cfg.cluster.master_port or twins.PORT})
     addr = cfg.cluster.master_addr
-    if cfg.cluster.master_port:
+    if cfg.cluster.master_port and not netns:
         check_port(addr, cfg.cluster.master_port)
     cfg = cfg.replace(**{"cluster.master_port": cfg.cluster.master_port or free_port(addr)})
     held = stop_signals_of(cfg.cluster.stopping)
@@ -111,13 +116,24 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
         came = early.take()  # held from here: _Forward's handlers take the next one
         if came:  # during start-up (launch/early.py): no process started, nothing to checkpoint
             raise early.stopped(came, run_dir)
-        return _start(cfg, plan, addr, run_dir, resume, progress, held, script)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        twin = twins.for_job(cfg.cluster, plan.nodes_total, run_dir, partial(_say, progress)) if netns else None
+        try:
+            return _start(cfg, plan, addr, run_dir, resume, progress, held, script, twin)
+        finally:
+            if twin is not None:
+                twin.close()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+def _say(progress: bool, what: str) -> None:
+    if progress:
+        print(start_up(what), flush=True)
+
+
 def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, progress: bool, held: list[int],
-           script: list[str] | None) -> int:
+           script: list[str] | None, twin=None) -> int:
     launched = time.time()
 
     def say(what: str, since: float | None = launched) -> None:
@@ -137,6 +153,7 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     if script:
         common.update(script_env(run_dir, resume))
     specs = [{"argv": argv, "script": script, "log": str(run_dir / "logs" / f"rank{p.rank}.log") if p.rank else None,
+              "netns": twin.node_ns(p.node) if twin else None,
               "env": dict(common, RANK=str(p.rank), LOCAL_RANK=str(p.local_rank),
                           SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads))}
              for p in plan.procs]

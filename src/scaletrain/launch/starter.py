@@ -22,6 +22,7 @@ import warnings
 from .entry import main
 from .join import exit_now
 from .fork import die_with_parent
+from ..twin.netns import enter
 
 # What job processes import later on their own: torch._dynamo (torch.optim imports it at an optimizer's
 # first parameter group), the libraries the data sources read with (sklearn for the digits).
@@ -31,6 +32,8 @@ WARM = ("torch._dynamo", "sklearn.datasets", "PIL.Image", "simplejpeg")
 def _child(spec: dict, starter: int) -> None:
     """In a forked process: become the job process the spec describes; never returns."""
     die_with_parent(starter)
+    if spec.get("netns"):  # the cluster twin: this process's node's network (twin/netns.py)
+        enter(spec["netns"])
     if spec["log"]:
         fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
