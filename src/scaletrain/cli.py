@@ -32,6 +32,7 @@ from .study import bench, learning, report
 from .study.bench import IMPOSED
 from .study.grid import cells, parse_grid
 from .study.learning import parse_until
+from .twin import faults
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,11 +101,18 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--workers", type=int, default=0, help="processes that read and check images (default: all cores)")
     pk.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_parser("keys", help="list every config key with its meaning, unit and range")
-    tw = sub.add_parser("twin", help="the cluster twin (cluster.network = netns, root): test its links, or remove "
-                        "what a killed job's twin left")
-    tw.add_argument("action", choices=("test", "clean"), help="test: make a 2-node twin and measure its link; "
-                    "clean: delete the namespaces of twins whose launcher is gone")
-    tw.add_argument("--gbps", type=float, default=10.0, help="test: the link's rate, Gbit/s (default 10)")
+    tw = sub.add_parser("twin", help="the cluster twin (cluster.network = netns, root): test its links, remove "
+                        "what a killed job's twin left, or cut or slow a running job's link")
+    tw.add_argument("action", choices=("test", "clean", "down", "up", "slow"),
+                    help="test: make a 2-node twin and measure its link; clean: delete the namespaces of twins whose "
+                    "launcher is gone; down/up: set node K's link of the job running in RUN_DIR down (a partition: "
+                    "it reaches no other node) or up; slow: set node K's link to --gbps each way")
+    tw.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR", help="down, up, slow: the running job's "
+                    "run directory (its logs/twin.json)")
+    tw.add_argument("--node", type=int, metavar="K", help="down, up, slow: the node, numbered as the job's messages "
+                    "number them: 1 is the chief's node (cluster.slow_link_node counts from 0)")
+    tw.add_argument("--gbps", type=float, help="test: the link's rate, Gbit/s (default 10); slow: the node's new "
+                    "rate at the cluster's speed, Gbit/s (divided by the run's cluster.time_scale in the twin)")
     tw.add_argument("--seconds", type=float, default=2.0, help="test: seconds of traffic (default 2)")
     dr = sub.add_parser("doctor", help="check this machine before a long job: torch, GPUs, network, Slurm, "
                         "and with a recipe what would not work here")
@@ -239,7 +247,8 @@ def _predict(args) -> int:
 
 
 def _twin(args) -> int:
-    """`twin clean`: what killed jobs' twins left, removed; `twin test`: a 2-node twin's measured link, as JSON."""
+    """`twin clean`: what killed jobs' twins left, removed; `twin test`: a 2-node twin's measured link, as JSON;
+    `twin down|up|slow RUN_DIR --node K`: a running job's network fault (twin/faults.py)."""
     if twin.privileges():
         print(f"scaletrain: error: {twin.privileges()}", file=sys.stderr)
         return 2
@@ -247,14 +256,30 @@ def _twin(args) -> int:
         removed = twin.clean()
         print(f"removed {len(removed)} namespaces of twins whose launcher is gone" + (f": {', '.join(removed)}" if removed else ""))
         return 0
+    if args.gbps is None and args.action == "test":
+        args.gbps = 10.0
     try:
+        if args.action in ("down", "up", "slow"):
+            print(_twin_fault(args))
+            return 0
         with twin.Twin.make(2, args.gbps) as made:
-            print(json.dumps({"set_gbps": args.gbps, "measured_gbps": round(twin.measure(made, 0, 1, args.seconds), 4),
-                              "seconds": args.seconds}))
+            got = twin.measure(made, [(0, 1)], args.seconds)[0]
+            print(json.dumps({"set_gbps": args.gbps, "measured_gbps": round(got, 4), "seconds": args.seconds}))
     except LaunchError as e:
         print(f"scaletrain: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _twin_fault(args) -> str:
+    """`twin down|up|slow`: what was done, in one line; LaunchError for what it lacks."""
+    missing = [what for what, given in (("RUN_DIR", args.run_dir), ("--node K", args.node),
+                                        ("--gbps G", args.gbps if args.action == "slow" else 0)) if given is None]
+    if missing:
+        raise LaunchError(f"twin {args.action} needs {' and '.join(missing)}")
+    if args.action == "slow":
+        return faults.slow(args.run_dir, args.node, args.gbps)
+    return faults.link(args.run_dir, args.node, up=args.action == "up")
 
 
 def _plan(args, cfg, run_dir: Path) -> int:

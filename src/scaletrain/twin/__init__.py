@@ -23,7 +23,8 @@ def for_job(cluster, nodes: int, run_dir: Path, say=lambda what: None) -> Twin:
             + (f" (the cluster's / {k:g})" if k != 1 else ""))
         test = check(twin)
         if test:
-            say(f"cluster twin: the link delivers {test['measured_gbps']:.3g} of {test['set_gbps']:.3g} Gbit/s")
+            say(f"cluster twin: links deliver {min(test['measured_gbps']):.3g}-{max(test['measured_gbps']):.3g} Gbit/s "
+                f"while all send at once ({test['ratio']:.0%} of the set rate at worst)")
         (run_dir / "logs" / "twin.json").write_text(json.dumps({
             "namespaces": twin.namespaces, "addresses": [address(n) for n in range(nodes)], "ifname": IFNAME,
             "cluster_link_gbps": cluster_rates, "twin_link_gbps": list(twin.gbps), "self_test": test}, indent=1) + "\n")
