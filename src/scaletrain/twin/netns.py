@@ -36,6 +36,7 @@ IFNAME = "twin0"  # a node's interface, the same name in every node's namespace
 SUBNET = "198.18.0"  # node k is SUBNET.(k+1)/24
 CLONE_NEWNET = 0x40000000
 MAX_NODES = 250
+_MADE = 0  # twins this process made
 
 
 def address(node: int) -> str:
@@ -107,7 +108,9 @@ class Twin:
             raise LaunchError(f"cluster.nodes = {nodes}: the cluster twin holds 1..{MAX_NODES} nodes")
         rates = list(gbps) if isinstance(gbps, list) else [float(gbps)] * nodes
         clean()
-        twin = cls(f"{os.getpid()}", nodes, rates)
+        global _MADE
+        _MADE += 1  # twins one process makes side by side (the Python API in threads) get names of their own
+        twin = cls(f"{os.getpid()}" + (f"x{_MADE}" if _MADE > 1 else ""), nodes, rates)
         twin.namespaces = [twin.hub] + [twin.node_ns(k) for k in range(nodes)]
         STATE.mkdir(parents=True, exist_ok=True)
         twin.record().write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()),
