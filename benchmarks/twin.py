@@ -1,0 +1,389 @@
+"""ResNet-50's gradient in the cluster twin, beside the performance model's prediction.
+
+Each row is a real `scaletrain bench` cell with `cluster.network = netns` (root): one network
+namespace per emulated node, links shaped to the row's rate each way (docs/twin.md). Every
+replica emulates one K80 die of the study (train.emulate_compute_s = the study profile's
+compute_s, 1.0018 s for 32 images: profiles/study-k80.toml) and moves ResNet-50's real gradient:
+model.name = resnet50 with model.num_classes = 1200, the study's, is 25,966,832 parameters,
+the profile's gradient_bytes to the byte; the digits recipe supplies the rest (no image is read
+by an emulated replica, so data.image_size only has to let the network build). One replica a
+node (cluster.gpus_per_node = 1), data.workers = 0. Rows: 2, 4 and 8 nodes x sync (1 PS
+alongside), mixed-async (1 PS alongside) and allreduce, at 1 and 10 Gbit/s a link.
+
+Time scale. Two shared cores carry every emulated link's bytes through the kernel. The script first
+asks `scaletrain twin test` which rates one link delivers here (within 10% of the set rate, the
+twin's own tolerance) and takes the largest, C, as what the machine may carry at once (times
+--headroom, default 1; less leaves cores to the job's own copies and optimizer and to other users of
+the machine). A row loads it with about nodes x rate for a ring (every node sends at the link
+rate at once) and 2 x rate for a parameter server (its node's link, both ways), and at least
+nodes / 2 x rate (the row's self-test sends over every pair of nodes at once); the row's
+cluster.time_scale k is the smallest of 1, 2, 5, 10, 20, 50, 100 that brings load / k within it.
+A row whose own link self-test still refuses the twin runs again at the next k (twice at most).
+The summary's figures are the cluster's (durations / k, rates x k), as bench reads them.
+
+Prediction. `scaletrain predict` with the study profile whose net_bandwidth is the row's link rate
+(rate x 1e9 / 8 bytes/s; a copy in a temporary directory) and the study's recipe
+(recipes/anp-resnet50.toml) at one GPU a node. A second figure, `predicted_network_only`, leaves
+the PS's CPU out (ps_apply_rate and ps_accumulate_rate 1e15) and makes its shard one thread
+(ps_overlap = false, scaletrain's server): the twin dilates neither the PS's CPU time nor
+anything but emulated compute and links, so at k > 1 its PS computes k times faster than the
+cluster's, and that figure is the model of what the twin emulates. The model gives point
+figures here (`band` is null): the study profile is set from published figures, with no
+calibration spread.
+
+comm_share: the summary's time_split_s, comm_s / (compute_s + intra_s + comm_s), the workers'
+mean (all-reduce between nodes, or pushes and pulls waiting on the PS); predicted: the step's
+network part (ring) or the time beyond compute it waits on the PS (simulated), over the step.
+
+Findings, computed from the rows: where sync's PS saturates (the first node count whose
+efficiency is under 2/3 of the previous count's: doubling the nodes added under a third of
+throughput), where all-reduce wins (per rate, the fewest nodes at which allreduce's images/s
+exceed sync's by more than two standard errors), and what asynchrony buys on the slowest link
+(mixed-async / sync images/s per node count).
+
+    python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --headroom 0.5]
+
+--quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes 20-40 minutes
+on two cores. Progress on stderr, one JSON on stdout; --save also writes it to
+benchmarks/results/twin-<UTC time>-<short commit>.json. Run directories stay under /tmp
+(weights and checkpoints removed); their path is in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/digits.toml"
+PREDICT_RECIPE = "recipes/anp-resnet50.toml"
+PROFILE = "profiles/study-k80.toml"
+MODEL = ["model.name=resnet50", "model.num_classes=1200", "data.image_size=32"]
+STRATEGIES = (("sync", 1), ("mixed-async", 1), ("allreduce", 0))  # (strategy.name, cluster.num_ps)
+SERIES = (1, 2, 5, 10, 20, 50, 100)  # time scales tried, smallest first
+TESTED_GBPS = (1, 2, 3, 4, 6, 8, 12, 16)
+TOLERANCE = 0.9  # as the twin's self-test
+RETRIES = 2
+
+
+def say(msg: str) -> None:
+    print(f"twin bench: {msg}", file=sys.stderr, flush=True)
+
+
+def scaletrain(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
+    """The CLI, from this checkout's environment; its progress goes to stderr when not captured."""
+    out = subprocess.PIPE if capture else sys.stderr
+    return subprocess.run([sys.executable, "-m", "scaletrain", *args], cwd=ROOT, text=True, stdout=out,
+                          stderr=subprocess.PIPE if capture else None)
+
+
+def capacity(seconds: float = 1.0) -> dict:
+    """`scaletrain twin test` at rising rates until one link delivers under TOLERANCE of its rate:
+    the largest rate that passed is what this machine carries (C)."""
+    tests = []
+    for g in TESTED_GBPS:
+        r = scaletrain("twin", "test", "--gbps", str(g), "--seconds", str(seconds))
+        if r.returncode:
+            sys.exit(f"twin bench: `scaletrain twin test --gbps {g}` failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        got = json.loads(r.stdout)
+        tests.append({"set_gbps": g, "measured_gbps": round(got["measured_gbps"], 3),
+                      "ratio": round(got["measured_gbps"] / g, 3)})
+        say(f"twin test at {g} Gbit/s: {got['measured_gbps']:.3g} delivered")
+        if got["measured_gbps"] < TOLERANCE * g:
+            break
+    passed = [t["set_gbps"] for t in tests if t["ratio"] >= TOLERANCE]
+    if not passed:
+        sys.exit(f"twin bench: the twin carries under {TOLERANCE:.0%} of {TESTED_GBPS[0]} Gbit/s here")
+    return {"tests": tests, "gbps": max(passed)}
+
+
+def load_gbps(nodes: int, num_ps: int, rate: float) -> tuple[float, str]:
+    """Gbit/s the machine carries at once at the cluster's rate, and why: a ring moves every node's
+    link at once; a parameter server's traffic crosses its node's link, both ways; and the row's
+    own link self-test first sends over every pair of nodes at once (nodes / 2 links' worth)."""
+    job = (nodes * rate, "nodes x rate, the ring") if num_ps == 0 else (2 * rate, "2 x rate, the PS's link")
+    test = (math.ceil(nodes / 2) * rate, "nodes / 2 x rate, the self-test's pairs")
+    return test if test[0] > job[0] else job
+
+
+def time_scale(load: float, budget: float) -> int:
+    return next((k for k in SERIES if load / k <= budget), SERIES[-1])
+
+
+def plan(nodes: list[int], rates: list[float], budget: float) -> list[dict]:
+    rows = []
+    for rate in rates:
+        for n in nodes:
+            for name, ps in STRATEGIES:
+                load, why = load_gbps(n, ps, rate)
+                rows.append({"nodes": n, "strategy": name, "num_ps": ps, "link_gbps": rate, "load_gbps": load,
+                             "load": why, "time_scale": time_scale(load, budget)})
+    return rows
+
+
+def bench_args(rate: float, k: int, rows: list[dict], compute_s: float, batch: int, warmup: int, steps: int,
+               out: Path) -> list[str]:
+    cells = ",".join(f"{r['nodes']}:{r['strategy']}:{r['num_ps']}" for r in rows)
+    sets = [*MODEL, f"data.batch_size={batch}", f"train.emulate_compute_s={compute_s}", "data.workers=0",
+            "cluster.gpus_per_node=1", "cluster.network=netns", f"cluster.link_gbps={rate:g}",
+            f"cluster.time_scale={k}"]
+    return ["bench", "--recipe", RECIPE, *(a for s in sets for a in ("--set", s)),
+            "--grid", f"cluster.nodes+strategy.name+cluster.num_ps={cells}",
+            "--warmup", str(warmup), "--steps", str(steps), "--out", str(out)]
+
+
+def run_group(rate: float, k: int, rows: list[dict], a, study: dict, runs: Path) -> tuple[list[dict], dict]:
+    """One `scaletrain bench` of rows sharing a rate and time scale: the rows measured (or with
+    their error) and the group's added 1-node baseline."""
+    out = runs / f"rate{rate:g}-k{k}"
+    args = bench_args(rate, k, rows, study["compute_s"], study["batch"], a.warmup, a.steps, out)
+    say(f"{rate:g} Gbit/s, time scale {k}: " + "; ".join(f"{r['nodes']} nodes {r['strategy']}" for r in rows))
+    t0 = time.monotonic()
+    scaletrain(*args, capture=False)  # a failed cell is a row with its error
+    say(f"  done in {time.monotonic() - t0:.0f} s")
+    got = json.loads((out / "bench-rows.json").read_text()) if (out / "bench-rows.json").exists() else []
+    base = next((b for b in got if b.get("added_baseline")), {})
+    measured = []
+    for r in rows:
+        b = next((b for b in got if not b.get("added_baseline") and b["cell"] == cell(r)), None)
+        measured.append(row_figures(r, k, b, out, "scaletrain " + " ".join(args)))
+    prune(out)
+    return measured, {"link_gbps": rate, "time_scale": k, "images_per_sec": base.get("images_per_sec"),
+                      "images_per_sec_stderr": base.get("images_per_sec_stderr"), "error": base.get("error"),
+                      "command": "scaletrain " + " ".join(args)}
+
+
+def cell(r: dict) -> dict:
+    return {"cluster.nodes": str(r["nodes"]), "strategy.name": r["strategy"], "cluster.num_ps": str(r["num_ps"])}
+
+
+def row_figures(r: dict, k: int, b: dict | None, out: Path, command: str) -> dict:
+    """The row's figures from its bench row and its run's summary (time split, twin section)."""
+    row = {**r, "time_scale": k, "twin_link_gbps": r["link_gbps"] / k, "command": command}
+    if b is None or b.get("error"):
+        return {**row, "error": (b or {}).get("error", "no bench row")}
+    summary = json.loads((out / b["run_dir"] / "summary.json").read_text())
+    split = summary.get("time_split_s") or {}
+    total = sum(split.values())
+    test = (summary.get("twin") or {}).get("self_test") or {}
+    row.update({key: b.get(key) for key in ("images_per_sec", "images_per_sec_stderr", "speedup", "speedup_stderr",
+                                            "efficiency", "staleness_mean", "timed_windows", "flag", "wall_seconds")})
+    row.update(comm_share=split.get("comm_s", 0.0) / total if total else None, time_split_s=split,
+               self_test={"set_gbps": test.get("set_gbps"), "measured_gbps": test.get("measured_gbps"),
+                          "worst_ratio": test.get("ratio")},
+               run_dir=str(out / b["run_dir"]))
+    return row
+
+
+def prune(out: Path) -> None:
+    """The weights and checkpoints of every cell (300 MB each, not needed for the figures)."""
+    for path in out.glob("cells/*/model.safetensors"):
+        path.unlink()
+    for path in out.glob("cells/*/checkpoints"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def refused(row: dict) -> bool:
+    """A row the twin's self-test refused: its links ran below the set rate (the CPUs limited)."""
+    return "time_scale" in (row.get("error") or "")
+
+
+def measure(rows: list[dict], a, study: dict, runs: Path) -> tuple[list[dict], list[dict]]:
+    """Every row, grouped by (rate, time scale); refused rows again at the next scale."""
+    done, baselines, todo = [], [], rows
+    for attempt in range(RETRIES + 1):
+        groups: dict[tuple, list[dict]] = {}
+        for r in todo:
+            groups.setdefault((r["link_gbps"], r["time_scale"]), []).append(r)
+        again = []
+        for (rate, k), group in sorted(groups.items()):
+            got, base = run_group(rate, k, group, a, study, runs)
+            baselines.append(base)
+            for g in got:
+                if refused(g) and attempt < RETRIES:
+                    say(f"  {g['nodes']} nodes {g['strategy']}: refused at time scale {k} ({g['error']}); again higher")
+                    again.append({**g, "time_scale": next((s for s in SERIES if s > k), SERIES[-1]),
+                                  "refused_at": [*g.get("refused_at", []), k]})
+                else:
+                    done.append(g)
+        todo = [{key: v for key, v in g.items() if key not in ("error", "command", "twin_link_gbps")} for g in again]
+        if not todo:
+            break
+    return done, baselines
+
+
+def predict(rows: list[dict], rate: float, network_only: bool, tmp: Path) -> list[dict]:
+    """`scaletrain predict` of rows at one link rate: the study profile with net_bandwidth at it."""
+    from scaletrain.perfmodel.profile import dump_profile, load_profile
+
+    prof, about = load_profile(ROOT / PROFILE)
+    prof = replace(prof, net_bandwidth=rate * 1e9 / 8)
+    if network_only:
+        prof = replace(prof, ps_apply_rate=1e15, ps_accumulate_rate=1e15, ps_overlap=False)
+    path = tmp / f"study-k80-{rate:g}gbps{'-network' if network_only else ''}.toml"
+    path.write_text(dump_profile(prof, about))
+    cells = ",".join(sorted({f"{r['nodes']}:{r['strategy']}:{r['num_ps']}" for r in rows}))
+    r = scaletrain("predict", "--profile", str(path), "--recipe", PREDICT_RECIPE, "--set", "cluster.gpus_per_node=1",
+                   "--grid", f"cluster.nodes+strategy.name+cluster.num_ps={cells}", "--format", "json")
+    if not r.stdout.strip():
+        sys.exit(f"twin bench: predict failed: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout)
+
+
+def predicted(p: dict | None) -> dict | None:
+    if p is None or p.get("error"):
+        return {"error": (p or {}).get("error", "no prediction")}
+    parts = p.get("parts_s") or {}
+    comm = parts.get("communication", parts.get("network", 0.0))  # the PS's wait (simulated), or the ring
+    return {"images_per_sec": p["images_per_sec"], "speedup": p["speedup"], "efficiency": p["efficiency"],
+            "step_s": p["step_s"], "comm_share": comm / p["step_s"],
+            "bottleneck": p["bottleneck"], "staleness_mean": p["staleness_mean"], "band": None}
+
+
+def add_predictions(rows: list[dict], tmp: Path) -> None:
+    for rate in sorted({r["link_gbps"] for r in rows}):
+        at = [r for r in rows if r["link_gbps"] == rate]
+        for key, network_only in (("predicted", False), ("predicted_network_only", True)):
+            got = predict(at, rate, network_only, tmp)
+            for r in at:
+                p = next((p for p in got if p["cell"] == cell(r)), None)
+                r[key] = predicted(p)
+        for r in at:
+            if r.get("images_per_sec") and (r["predicted"] or {}).get("images_per_sec"):
+                r["measured_over_predicted"] = r["images_per_sec"] / r["predicted"]["images_per_sec"]
+
+
+def ratio(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
+    r = a / b
+    return r, abs(r) * math.hypot(a_se / a if a else 0.0, b_se / b if b else 0.0)
+
+
+def figure(r: dict | None, source: str, key: str = "images_per_sec"):
+    """A row's measured figure (source 'measured') or its prediction's; None where there is none."""
+    if r is None:
+        return None
+    return r.get(key) if source == "measured" else (r.get("predicted") or {}).get(key)
+
+
+def find(rows: list[dict], rate: float, strategy: str, nodes: int) -> dict | None:
+    return next((r for r in rows if (r["link_gbps"], r["strategy"], r["nodes"]) == (rate, strategy, nodes)), None)
+
+
+def ps_saturation(rows: list[dict], rate: float, source: str) -> dict:
+    nodes = sorted({r["nodes"] for r in rows})
+    eff = {n: figure(find(rows, rate, "sync", n), source, "efficiency") for n in nodes}
+    at = next((n for prev, n in zip(nodes, nodes[1:])
+               if eff[prev] and eff[n] is not None and eff[n] < 2 / 3 * eff[prev]), None)
+    return {"efficiency_by_nodes": eff, "saturates_at_nodes": at}
+
+
+def allreduce_wins(rows: list[dict], rate: float, source: str) -> dict:
+    by = {}
+    for n in sorted({r["nodes"] for r in rows}):
+        ar, sy = find(rows, rate, "allreduce", n), find(rows, rate, "sync", n)
+        a, s = figure(ar, source), figure(sy, source)
+        if a is None or s is None:
+            continue
+        se = 0.0 if source != "measured" else math.hypot(ar.get("images_per_sec_stderr") or 0.0,
+                                                       sy.get("images_per_sec_stderr") or 0.0)
+        by[n] = {"allreduce_over_sync": a / s, "wins": a - s > 2 * se}
+    return {"by_nodes": by, "smallest_nodes": next((n for n, v in by.items() if v["wins"]), None)}
+
+
+def async_gain(rows: list[dict], rate: float, source: str) -> dict:
+    by = {}
+    for n in sorted({r["nodes"] for r in rows}):
+        m, s = find(rows, rate, "mixed-async", n), find(rows, rate, "sync", n)
+        if figure(m, source) is None or figure(s, source) is None:
+            continue
+        if source == "measured":
+            x, se = ratio(m["images_per_sec"], m.get("images_per_sec_stderr") or 0.0, s["images_per_sec"],
+                          s.get("images_per_sec_stderr") or 0.0)
+            by[n] = {"mixed_async_over_sync": x, "stderr": se, "staleness_mean": m.get("staleness_mean")}
+        else:
+            by[n] = {"mixed_async_over_sync": figure(m, source) / figure(s, source),
+                     "staleness_mean": figure(m, source, "staleness_mean")}
+    return by
+
+
+def findings(rows: list[dict]) -> dict:
+    rates = sorted({r["link_gbps"] for r in rows})
+    return {
+        "ps_saturation": {"criterion": "sync: the first node count whose efficiency is under 2/3 of the previous "
+                                       "count's", **{f"{g:g}_gbps": {s: ps_saturation(rows, g, s)
+                                                                   for s in ("measured", "predicted")} for g in rates}},
+        "allreduce_wins": {"criterion": "the fewest nodes at which allreduce's images/s exceed sync's (measured: by "
+                                        "more than 2 standard errors)", **{f"{g:g}_gbps": {s: allreduce_wins(rows, g, s)
+                                                                            for s in ("measured", "predicted")}
+                                                                         for g in rates}},
+        "async_gain_slow_link": {"link_gbps": rates[0], **{s: async_gain(rows, rates[0], s)
+                                                            for s in ("measured", "predicted")}},
+    }
+
+
+def study_step() -> dict:
+    """The study's step on one K80 die and its batch, from the profile (compute_s: 1.0018 s, 32 images)."""
+    from scaletrain.perfmodel.profile import load_profile
+
+    prof, _ = load_profile(ROOT / PROFILE)
+    return {"compute_s": prof.compute_s, "batch": prof.batch_per_replica, "gradient_bytes": prof.gradient_bytes,
+            "source": f"{PROFILE} [node] compute_s, [workload] batch_per_replica"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 and 4 nodes at 1 Gbit/s, 1 + 4 steps: a smoke run")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of each row's throughput (default 2)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps of each row (default 8)")
+    ap.add_argument("--headroom", type=float, default=1.0, help="fraction of the twin test's rate a row may load")
+    ap.add_argument("--save", action="store_true", help="also write benchmarks/results/twin-TIME-COMMIT.json")
+    a = ap.parse_args()
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    a.steps = a.steps if a.steps is not None else (4 if a.quick else 8)
+    if os.geteuid() != 0:
+        sys.exit("twin bench: the cluster twin needs root (network namespaces, veth pairs and tc shaping)")
+    import torch
+
+    from scaletrain.metrics import run_info
+
+    t0 = time.monotonic()
+    study = study_step()
+    cap = capacity()
+    budget = a.headroom * cap["gbps"]
+    nodes, rates = ([2, 4], [1.0]) if a.quick else ([2, 4, 8], [1.0, 10.0])
+    rows = plan(nodes, rates, budget)
+    say(f"this machine carries {cap['gbps']:g} Gbit/s (twin test); a row may load {a.headroom:g} x that = "
+        f"{budget:g} Gbit/s: time scale k = the smallest of {', '.join(map(str, SERIES))} with load / k <= {budget:g}")
+    for r in rows:
+        say(f"  {r['link_gbps']:g} Gbit/s, {r['nodes']} nodes {r['strategy']}: load {r['load_gbps']:g} Gbit/s "
+            f"({r['load']}) -> k = {r['time_scale']}")
+    runs = Path(tempfile.mkdtemp(prefix="twin-bench-", dir="/tmp"))
+    rows, baselines = measure(rows, a, study, runs)
+    with tempfile.TemporaryDirectory() as tmp:
+        add_predictions(rows, Path(tmp))
+    out = {"benchmark": "twin", **run_info(torch.device("cpu")), "cores": os.cpu_count(),
+           "command": "python benchmarks/twin.py " + " ".join(sys.argv[1:]),
+           "model": "resnet50, 1,200 classes (25,966,832 parameters)", "study_step": study,
+           "recipe": RECIPE, "model_sets": MODEL, "predict_recipe": PREDICT_RECIPE, "profile": PROFILE,
+           "warmup": a.warmup, "steps": a.steps, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
+           "baselines": baselines, "rows": rows, "findings": findings(rows), "runs_dir": str(runs),
+           "seconds": round(time.monotonic() - t0)}
+    print(json.dumps(out, indent=1))
+    if a.save:
+        stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
+        path = ROOT / "benchmarks" / "results" / f"twin-{stamp}-{out['git_commit'][:7]}.json"
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        say(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
