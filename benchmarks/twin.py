@@ -12,7 +12,8 @@ alongside), mixed-async (1 PS alongside) and allreduce, at 1 and 10 Gbit/s a lin
 
 Time scale. Two shared cores carry every emulated link's bytes through the kernel. The script first
 asks `scaletrain twin test` which rates one link delivers here (within 10% of the set rate, the
-twin's own tolerance) and takes the largest, C, as what the machine may carry at once (times
+twin's own tolerance, in the better of two tests: other users of the machine come and go) and takes
+the largest, C (or --capacity-gbps C), as what the machine may carry at once (times
 --headroom, default 1; less leaves cores to the job's own copies and optimizer and to other users of
 the machine). A row loads it with about nodes x rate for a ring (every node sends at the link
 rate at once) and 2 x rate for a parameter server (its node's link, both ways), and at least
@@ -41,7 +42,7 @@ throughput), where all-reduce wins (per rate, the fewest nodes at which allreduc
 exceed sync's by more than two standard errors), and what asynchrony buys on the slowest link
 (mixed-async / sync images/s per node count).
 
-    python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --headroom 0.5]
+    python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --capacity-gbps C --headroom 1]
 
 --quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes 20-40 minutes
 on two cores. Progress on stderr, one JSON on stdout; --save also writes it to
@@ -86,24 +87,29 @@ def scaletrain(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
                           stderr=subprocess.PIPE if capture else None)
 
 
-def capacity(seconds: float = 1.0) -> dict:
-    """`scaletrain twin test` at rising rates until one link delivers under TOLERANCE of its rate:
-    the largest rate that passed is what this machine carries (C)."""
+def capacity(seconds: float = 1.0, tries: int = 2) -> dict:
+    """`scaletrain twin test` at rising rates until one link delivers under TOLERANCE of its rate
+    in each of `tries` tests (a busy moment of a shared machine is not its capacity): the largest
+    rate that passed is what this machine carries (C)."""
     tests = []
     for g in TESTED_GBPS:
-        r = scaletrain("twin", "test", "--gbps", str(g), "--seconds", str(seconds))
-        if r.returncode:
-            sys.exit(f"twin bench: `scaletrain twin test --gbps {g}` failed: {(r.stderr or r.stdout).strip()[-300:]}")
-        got = json.loads(r.stdout)
-        tests.append({"set_gbps": g, "measured_gbps": round(got["measured_gbps"], 3),
-                      "ratio": round(got["measured_gbps"] / g, 3)})
-        say(f"twin test at {g} Gbit/s: {got['measured_gbps']:.3g} delivered")
-        if got["measured_gbps"] < TOLERANCE * g:
+        got = [twin_test(g, seconds) for _ in range(tries)]
+        best = max(got)
+        tests.append({"set_gbps": g, "measured_gbps": [round(x, 3) for x in got], "ratio": round(best / g, 3)})
+        say(f"twin test at {g} Gbit/s: {', '.join(f'{x:.3g}' for x in got)} delivered")
+        if best < TOLERANCE * g:
             break
     passed = [t["set_gbps"] for t in tests if t["ratio"] >= TOLERANCE]
     if not passed:
         sys.exit(f"twin bench: the twin carries under {TOLERANCE:.0%} of {TESTED_GBPS[0]} Gbit/s here")
     return {"tests": tests, "gbps": max(passed)}
+
+
+def twin_test(gbps: float, seconds: float) -> float:
+    r = scaletrain("twin", "test", "--gbps", str(gbps), "--seconds", str(seconds))
+    if r.returncode:
+        sys.exit(f"twin bench: `scaletrain twin test --gbps {gbps}` failed: {(r.stderr or r.stdout).strip()[-300:]}")
+    return json.loads(r.stdout)["measured_gbps"]
 
 
 def load_gbps(nodes: int, num_ps: int, rate: float) -> tuple[float, str]:
@@ -344,6 +350,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 and 4 nodes at 1 Gbit/s, 1 + 4 steps: a smoke run")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of each row's throughput (default 2)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps of each row (default 8)")
+    ap.add_argument("--capacity-gbps", type=float, default=0.0,
+                    help="what this machine carries, Gbit/s (0 = measure it with scaletrain twin test)")
     ap.add_argument("--headroom", type=float, default=1.0, help="fraction of the twin test's rate a row may load")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/results/twin-TIME-COMMIT.json")
     a = ap.parse_args()
@@ -357,7 +365,7 @@ def main() -> None:
 
     t0 = time.monotonic()
     study = study_step()
-    cap = capacity()
+    cap = {"gbps": a.capacity_gbps, "tests": "given (--capacity-gbps)"} if a.capacity_gbps else capacity()
     budget = a.headroom * cap["gbps"]
     nodes, rates = ([2, 4], [1.0]) if a.quick else ([2, 4, 8], [1.0, 10.0])
     rows = plan(nodes, rates, budget)
