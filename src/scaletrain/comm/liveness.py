@@ -227,7 +227,7 @@ class _StoreWatch:
             still += tick
             if still > bound and beating.is_alive():
                 _leave(self.ctx, None, [0], f"stopped answering: the job's store, which it serves, did not answer "
-                                            f"for {still:.0f} s")
+                                            f"for {still:.0f} s (frozen, or this node cut off from it)")
 
 
 def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:

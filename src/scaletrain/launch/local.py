@@ -9,10 +9,16 @@ notice and exit on their own (their logs then name the lost rank), then are
 killed. A process that exits with errors.EXIT_PEER left because of another
 one; it names them (RUN_DIR/logs/rankR.lost); when they are still running they
 are frozen, and are killed at once (without a note, those still running a
-few seconds after the first such exit are taken for frozen). The launcher
-names the first process that failed or went silent, not one that left
-because of it, nor one it killed itself (rank 0 stays a moment after it
-leaves, serving the store, and may be killed then). A worker node the job
+few seconds after the first such exit are taken for frozen). Unless the kernel
+shows them stopped, such a note is first weighed against the others' for a few
+seconds (LISTEN_S): a node cut off from the network (a partition, e.g. the
+twin's `scaletrain twin down`) loses the store and names rank 0 while the
+others name it, and the node named by the most others is the culprit (between
+two nodes, not the chief's); a note from a node the chief declared dropped
+counts for nothing. The launcher names the first process that failed or went
+silent, not one that left because of it, nor one it killed itself (rank 0
+stays a moment after it leaves, serving the store, and may be killed then).
+A worker node the job
 may go on without (strategies/traits.survivable) may end any way: the launcher waits
 for the chief's word (RUN_DIR/logs/dropped, see comm/liveness.py), kills what of
 it still runs, and the job's status is that of the others.
@@ -69,6 +75,10 @@ def check_port(addr: str, port: int, host: str = "") -> None:
 
 
 FROZEN_S = 5.0  # after the first process left because of a peer, those still running this long are frozen
+# A process that left naming peers still running, which the kernel does not show stopped, is believed after
+# this long unless those peers show their own view: a partition is seen from both sides, each side within
+# comm/liveness.py's STALE_S (3 s) and a few beats of the other.
+LISTEN_S = 7.0
 
 
 def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
@@ -203,6 +213,8 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
     spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
     killed: set[int] = set()  # killed by this launcher while running: their end is not their failure
     leavers: set[int] = set()  # left because of a peer (EXIT_PEER): never the culprit while another is
+    doubted: dict[int, float] = {}  # left naming peers that still run, not stopped: rank -> when; judged (_judge)
+    cut = None  # (rank, what): the node the others could not reach, and it them
 
     def kill(ranks) -> None:
         # Rank 0 stays a moment after it leaves (it serves the store): killed then, it did not fail.
@@ -216,10 +228,12 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
             now = time.time()
             dropped = read_ranks(run_dir, "dropped")
             kill(dropped)  # frozen, or woken too late: the job went on
+            for rank in dropped:  # the chief went on without it: its view of who was lost prevails
+                doubted.pop(rank, None)
             for rank, p in enumerate(procs):
                 rc = p.poll()
                 if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or \
-                        rank in killed.union(frozen, dropped, spared, leavers):
+                        rank in killed.union(frozen, dropped, spared, leavers, doubted):
                     continue
                 # A process that left naming a peer still running left because that one is frozen: so
                 # it did in a node the job could go on without too (a frozen chief, which serves the
@@ -230,16 +244,30 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
                     spared.append(rank)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job may go on without "
                           f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
+                elif rc == EXIT_PEER and failed is None and not frozen and cut is None and \
+                        (doubted or named and not _stopped(procs, named)):
+                    doubted[rank] = now  # cut off from them, or they from the job: the others' view tells
                 elif rc == EXIT_PEER:
                     left = left or (rank, now)
                     leavers.add(rank)
-                    if named and failed is None and not frozen:
+                    if named and failed is None and not frozen and cut is None:
                         frozen = named
                         kill(everyone)
-                elif failed is None:
+                elif failed is None and cut is None:
                     failed = (rank, now)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; waiting up to {grace:.0f} s for the "
                           "others to stop", file=sys.stderr, flush=True)
+            if doubted and failed is None and not frozen and cut is None:
+                verdict = _judge(plan, run_dir, doubted, dropped, now, final=not running)
+                if isinstance(verdict, int):  # no other view came: the peers it named are frozen
+                    left = left or (verdict, doubted[verdict])
+                    frozen = [r for r in read_ranks(run_dir, f"rank{verdict}.lost") if procs[r].poll() is None]
+                elif verdict is not None:  # said once, as the job's failure or its restart
+                    cut = verdict
+                if verdict is not None:
+                    leavers.update(doubted)
+                    doubted.clear()
+                    kill(everyone)
             if failed is None and not frozen and left is not None and now - left[1] > FROZEN_S:
                 frozen = [r for r, p in enumerate(procs) if p.poll() is None]
                 kill(everyone)
@@ -252,6 +280,9 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
         print("scaletrain: stopped at once by a second signal: no checkpoint at this step", file=sys.stderr)
         return 130 if fwd.signal == signal.SIGINT else 128 + fwd.signal
     undeclared = [r for r in spared if r not in dropped]
+    if cut is not None and not failed:
+        write_failure(run_dir, plan, *cut)
+        return 1
     culprit = undeclared[0] if undeclared and (failed or frozen or left) else \
         failed[0] if failed else frozen[0] if frozen else left[0] if left else None
     if culprit is not None:
@@ -260,6 +291,62 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
         return 1
     codes = {p.returncode for r, p in enumerate(procs) if r not in dropped + spared}
     return 130 if 130 in codes else EXIT_STOPPED if EXIT_STOPPED in codes else 0
+
+
+def _stopped(procs, ranks: list[int]) -> bool:
+    """Whether the kernel shows one of ranks stopped (SIGSTOP, a debugger): frozen beyond doubt."""
+    for r in ranks:
+        try:
+            with open(f"/proc/{procs[r].pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in "tT":
+                    return True
+        except (OSError, IndexError):
+            pass
+    return False
+
+
+def _judge(plan: Plan, run_dir: Path, doubted: dict[int, float], dropped: list[int], now: float,
+           final: bool = False):
+    """The view of the majority on processes that left naming peers still running (doubted: rank -> when).
+
+    Each process that left wrote whom it lost (rankR.lost); so does one still lingering (rank 0 serves the
+    store a moment after). A node whose processes lost contact with another node that lost contact with them
+    is a partition: the node named by the most other nodes was cut off; between two, the one without the
+    chief (its side holds the job's store). Returns (rank, what) for a partition, a doubted rank to believe
+    (its peers are frozen: no other view came within LISTEN_S, or every process ended), or None to wait."""
+    node = [p.node for p in plan.procs]
+    views = {r: [x for x in read_ranks(run_dir, f"rank{r}.lost") if x not in dropped]
+             for r in range(plan.world_size) if r not in dropped}
+    accused: dict[int, set[int]] = {}  # node -> the nodes its processes lost
+    for r, lost in views.items():
+        accused.setdefault(node[r], set()).update(node[x] for x in lost)
+    cut = cut_node(accused, plan.workers[0].node)
+    if cut is not None:
+        ranks = [p.rank for p in plan.procs if p.node == cut]
+        rank = min(ranks, key=lambda r: (plan.procs[r].role != "worker", r))
+        others = sorted({node[r] for r, lost in views.items() if any(node[x] == cut for x in lost)} - {cut})
+        return rank, (f"{node_name(cut)} was unreachable (a network partition): {_nodes(others)} lost contact "
+                      f"with its processes, and they with the rest of the job")
+    first = min(doubted, key=doubted.get)
+    return first if final or now - doubted[first] > LISTEN_S else None
+
+
+def cut_node(accused: dict[int, set[int]], chief: int) -> int | None:
+    """The node cut off, from each node's view (node -> the nodes it lost contact with), or None when no
+    two nodes lost each other (then no partition: a frozen or dead process). The node most others lost;
+    between as many, not the chief's."""
+    votes: dict[int, set[int]] = {}
+    for by, lost in accused.items():
+        for n in lost - {by}:
+            votes.setdefault(n, set()).add(by)
+    if not any(n in votes.get(by, ()) for n, bys in votes.items() for by in bys):
+        return None
+    return max(votes, key=lambda n: (len(votes[n]), n != chief, -n))
+
+
+def _nodes(nodes: list[int]) -> str:
+    names = [str(n + 1) for n in nodes]
+    return f"node {names[0]}" if len(names) == 1 else f"nodes {', '.join(names[:-1])} and {names[-1]}"
 
 
 def write_failure(run_dir: Path, plan: Plan, rank: int, what: str, host: str | None = None) -> None:
