@@ -159,6 +159,10 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
     job = f"local-{os.getpid()}-{time.time_ns()}"  # names the rendezvous: no other job shares it
     common = dict(os.environ, WORLD_SIZE=str(plan.world_size), MASTER_ADDR=addr, SCALETRAIN_JOB=job,
                   MASTER_PORT=str(cfg.cluster.master_port), OMP_NUM_THREADS=str(threads), **{LAUNCHED: str(launched)})
+    if twin is not None and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        # No resolver knows the twin's addresses: c10d's store would warn, at every connection, that it
+        # cannot name its client. Its errors still show. Read as torch is imported: the starter's env.
+        common["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     argv = [str(run_dir)] + (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     if script:
         common.update(script_env(run_dir, resume))

@@ -19,12 +19,13 @@ def for_job(cluster, nodes: int, run_dir: Path, say=lambda what: None) -> Twin:
     cluster_rates = [cluster.slow_link_gbps if n == cluster.slow_link_node else cluster.link_gbps for n in range(nodes)]
     twin = Twin.make(nodes, [g / k for g in cluster_rates])
     try:
-        say(f"cluster twin: {nodes} namespaces, links at {', '.join(f'{g:g}' for g in sorted(set(twin.gbps)))} Gbit/s"
+        say(f"cluster twin: {nodes} nodes, a network namespace each, links at {', '.join(f'{g:g}' for g in sorted(set(twin.gbps)))} Gbit/s"
             + (f" (the cluster's / {k:g})" if k != 1 else ""))
         test = check(twin)
         if test:
-            say(f"cluster twin: links deliver {min(test['measured_gbps']):.3g}-{max(test['measured_gbps']):.3g} Gbit/s "
-                f"while all send at once ({test['ratio']:.0%} of the set rate at worst)")
+            lo, hi = min(test["measured_gbps"]), max(test["measured_gbps"])
+            say(f"cluster twin: links deliver {lo:.3g}" + (f"-{hi:.3g}" if f"{hi:.3g}" != f"{lo:.3g}" else "") +
+                f" Gbit/s while all send at once ({test['ratio']:.0%} of the set rate at worst)")
         (run_dir / "logs" / "twin.json").write_text(json.dumps({
             "namespaces": twin.namespaces, "addresses": [address(n) for n in range(nodes)], "ifname": IFNAME,
             "cluster_link_gbps": cluster_rates, "twin_link_gbps": list(twin.gbps), "self_test": test}, indent=1) + "\n")
