@@ -37,7 +37,8 @@ endif
 # The bench emulates its GPUs (train.emulate_compute_s: each replica sleeps 0.1 s a step, then
 # the strategies' real communication): on two shared cores real compute would leave no speedup to
 # see. The learning study computes for real, each configuration until its test accuracy reaches
-# 0.95 (at most 24 epochs), and reads its time to that on the bench's clock.
+# 0.95 (at most 24 epochs), and reads its time to that on the bench's clock. Its last line is the
+# same bench in the cluster twin (docs/twin.md), to run as root.
 DEMO      := runs/demo
 DEMO_SETS := --set data.workers=0 --set cluster.gpus_per_node=2 --set data.batch_size=16 \
              --set optim.scale_lr=linear --set optim.reference_batch=32 --set optim.warmup_steps=5 \
@@ -50,6 +51,7 @@ demo: $(STAMP)
 	$(BIN)/scaletrain bench --recipe recipes/digits.toml $(DEMO_SETS) --set train.emulate_compute_s=0.1 $(DEMO_GRID) --warmup 3 --steps 12 --out $(DEMO)/bench
 	$(BIN)/scaletrain study --recipe recipes/digits.toml $(DEMO_SETS) --grid cluster.nodes=1,2,4 $(DEMO_RULE) --set train.steps=0 --set train.epochs=24 --until accuracy=0.95 --bench $(DEMO)/bench --out $(DEMO)/study
 	$(BIN)/scaletrain report $(DEMO)/bench $(DEMO)/study --out $(DEMO)/report
+	@echo "in the cluster twin (root): $(BIN)/scaletrain bench --recipe recipes/digits.toml $(DEMO_SETS) --set train.emulate_compute_s=0.1 $(DEMO_GRID) --warmup 3 --steps 12 --set cluster.network=netns --set cluster.link_gbps=1 --out $(DEMO)/bench-twin"
 
 # The demo's page of the documentation: the tables of the last `make demo` (runs/demo), with the
 # commit they ran at and the state of this checkout. Reads files only (no .venv needed).
