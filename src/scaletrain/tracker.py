@@ -31,6 +31,7 @@ from .replicas import evaluate, replica_buffers
 from .optim import state_keys
 from .resume import rng_state
 from .strategies.base import Tick
+from .twin.dilation import cluster_row
 
 log = logging.getLogger("scaletrain")
 
@@ -110,9 +111,10 @@ class Tracker:
             noise = self.strategy.noise.window() if self.strategy.noise is not None else None
             if noise is not None:
                 row["noise_scale"] = noise
+            row = cluster_row(row, self.cfg.cluster.time_scale)  # the twin's dilation: the cluster's figures
             if self.rec:
                 self.rec.row("train", step, **row)
-            self.bar.update(step, self.last_loss, rate or 0.0)
+            self.bar.update(step, self.last_loss, row.get("images_per_sec") or 0.0)
         else:
             self.clock.tick(tick.images, close=False)
         if self.chief and len(self.ctx.dropped_at) > len(self.lost):
@@ -219,7 +221,8 @@ class Tracker:
             self.best = max(self.best or 0.0, res["test_accuracy"])
             step = self.sched.step_of(tick.images)
             if self.rec:
-                self.rec.row("eval", step, images=tick.images, epoch=self.epoch(tick.images), train_wall=at, **res)
+                self.rec.row("eval", step, **cluster_row(dict(images=tick.images, epoch=self.epoch(tick.images),
+                                                              train_wall=at, **res), self.cfg.cluster.time_scale))
             self.bar.message(f"step {step}: test accuracy {res['test_accuracy']:.4f}  loss {res['test_loss']:.4f}")
         return res
 

@@ -4,7 +4,8 @@ Under cluster.time_scale = k the twin runs k times slower than the cluster it st
 compute k times longer, links k times slower: compute.Emulated, launch/local.py), so every duration
 it measures is k times the cluster's and every rate 1/k of it. The summary reports the cluster's:
 durations divided by k, rates multiplied by k, and says so in its `twin` section, with the link's
-set and measured rates (RUN_DIR/logs/twin.json, from the launcher)."""
+set and measured rates (RUN_DIR/logs/twin.json, from the launcher). metrics.jsonl's rows and the progress
+line are the cluster's too (cluster_row)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ def cluster_figures(summary: dict, time_scale: float, run_dir: Path) -> dict:
     out["twin"] = {**twin, "time_scale": time_scale,
                    "figures": "the cluster's: durations measured in the twin divided by time_scale, rates multiplied"}
     return out
+
+
+ROW_SECONDS = ("wall", "train_wall")  # metrics.jsonl's durations: seconds since the run's start
+
+
+def cluster_row(row: dict, time_scale: float) -> dict:
+    """A metrics.jsonl row at the cluster's speed (its `time`, the moment it was written, stays)."""
+    if time_scale == 1:
+        return row
+    return {key: value / time_scale if key in ROW_SECONDS else _scaled(key, value, time_scale)
+            for key, value in row.items()}

@@ -1,13 +1,13 @@
 """The twin's link self-test: what rate its links really deliver, against the rate set.
 
-Node pairs (1 -> 2, 3 -> 4, ..., and the last node -> 1 where the count is odd) move data over the
-job's own transport (torch.distributed, gloo: probe.py) at once for about a second, so every
-node's link carries traffic together, as in a ring all-reduce: the machine's CPUs carry all of it
-through the kernel. The rate each pair sees is the payload's: the rate set counts frames, whose
-headers take some 4% of a 1500-byte frame, so a delivered rate within 10% of the set one is a
-link that works. Below 90%, something else limits (the CPUs): the twin would report this
-machine, not the network set, and is refused; a time scale (cluster.time_scale) slows its links
-to a rate it can carry.
+Every node sends to the next, in a ring (1 -> 2 -> ... -> N -> 1), over the job's own transport
+(torch.distributed, gloo: probe.py), all at once for about a second: every link carries the rate
+both ways, as in a ring all-reduce, the heaviest load a job puts on the twin, and this machine's
+CPUs carry all of it through the kernel. The rate each pair sees is the payload's, and tbf counts
+frames: at most FRAMING of a link's rate is payload (TCP's 1448 bytes with timestamps in a
+1514-byte Ethernet frame). A link that delivers at least 90% of that is one that works; below,
+something else limits (the CPUs): the twin would report this machine, not the network set, and is
+refused; a time scale (cluster.time_scale) slows its links to a rate it can carry.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from ..errors import LaunchError
 from . import probe
 from .netns import Twin, address
 
-TOLERANCE = 0.9  # the delivered rate, at least this fraction of the set one
+TOLERANCE = 0.9  # the delivered payload, at least this fraction of the most a link of the set rate carries
+FRAMING = 1448 / 1514  # payload per frame: TCP with timestamps in a 1500-byte MTU, and the Ethernet header
 CHUNK = 4 << 20  # bytes a send
 PORT = 29400
 WAIT_S = 60.0  # for the probes to start and meet, and for their data beyond its expected time
 
 
 def pairs(nodes: int) -> list[tuple[int, int]]:
-    """(sender, receiver) nodes: every node's link in use once the pairs send at once."""
-    out = [(k, k + 1) for k in range(0, nodes - 1, 2)]
-    return out + [(nodes - 1, 0)] if nodes % 2 and nodes > 1 else out
+    """(sender, receiver) nodes: a ring, so that every node's link is used both ways at once."""
+    return [(k, (k + 1) % nodes) for k in range(nodes)] if nodes > 1 else []
 
 
 def measure(twin: Twin, between: list[tuple[int, int]] | None = None, seconds: float = 1.0) -> list[float]:
@@ -84,7 +84,8 @@ def _expect(lines, start: str, pair: tuple[int, int], deadline: float) -> str:
 
 def check(twin: Twin, seconds: float = 1.0) -> dict:
     """Measure every node's link at once and refuse a twin that does not carry its own rates (one node:
-    nothing to test, {}). Returns {pairs, set_gbps, measured_gbps, ratio}: ratio is the worst pair's."""
+    nothing to test, {}). Returns {pairs, set_gbps, measured_gbps, ratio, of_payload_rate}: the worst pair's
+    measured rate over its set rate, and over the most payload that rate carries."""
     if twin.nodes < 2:
         return {}
     between = pairs(twin.nodes)
@@ -92,9 +93,9 @@ def check(twin: Twin, seconds: float = 1.0) -> dict:
     want = [min(twin.gbps[s], twin.gbps[d]) for s, d in between]
     worst = min(range(len(got)), key=lambda i: got[i] / want[i])
     out = {"pairs": [[s + 1, d + 1] for s, d in between], "set_gbps": want, "measured_gbps": got,
-           "ratio": got[worst] / want[worst]}
-    if out["ratio"] < TOLERANCE:
-        scale = math.ceil(1 / out["ratio"] / TOLERANCE)
+           "ratio": got[worst] / want[worst], "of_payload_rate": got[worst] / (want[worst] * FRAMING)}
+    if out["of_payload_rate"] < TOLERANCE:
+        scale = math.ceil(1 / out["of_payload_rate"] / TOLERANCE)
         s, d = between[worst]
         raise LaunchError(f"the cluster twin delivers {got[worst]:.3g} of the {want[worst]:.3g} Gbit/s set from node "
                           f"{s + 1} to node {d + 1} while every link is in use: this machine's CPUs, not the links, "

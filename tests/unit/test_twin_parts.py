@@ -7,14 +7,12 @@ from scaletrain.twin import netns, selftest
 from scaletrain.twin.dilation import cluster_figures
 
 
-def test_the_self_test_loads_every_nodes_link_at_once():
-    assert selftest.pairs(2) == [(0, 1)]
-    assert selftest.pairs(4) == [(0, 1), (2, 3)]
-    assert selftest.pairs(5) == [(0, 1), (2, 3), (4, 0)]  # node 1 sends and receives: each way once
+def test_the_self_test_loads_every_nodes_link_both_ways_at_once():
+    assert selftest.pairs(2) == [(0, 1), (1, 0)]
+    assert selftest.pairs(4) == [(0, 1), (1, 2), (2, 3), (3, 0)]
     for n in range(2, 12):
-        used = [k for pair in selftest.pairs(n) for k in pair]
-        assert sorted(set(used)) == list(range(n))
-        assert len({s for s, _ in selftest.pairs(n)}) == len(selftest.pairs(n))  # no upload used twice
+        assert sorted(s for s, _ in selftest.pairs(n)) == sorted(d for _, d in selftest.pairs(n)) == list(range(n))
+    assert selftest.pairs(1) == []
 
 
 def test_tbf_holds_two_milliseconds_at_the_rate_and_never_under_64_kib():
@@ -56,3 +54,12 @@ def test_twin_keys_that_cannot_act_are_refused_in_one_line(digits_cfg, sets, wor
 def test_without_root_the_twin_says_why(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert netns.privileges() == "cluster.network = netns needs root (network namespaces, veth pairs and tc shaping)"
+
+
+def test_a_dilated_jobs_rows_are_the_clusters_too():
+    from scaletrain.twin.dilation import cluster_row
+
+    row = {"images": 640, "epoch": 0.5, "wall": 8.0, "train_wall": 6.0, "loss": 2.0, "lr": 0.1,
+           "images_per_sec": 100.0, "data_wait_fraction": 0.25}
+    assert cluster_row(row, 2.0) == {**row, "wall": 4.0, "train_wall": 3.0, "images_per_sec": 200.0}
+    assert cluster_row(row, 1.0) is row
