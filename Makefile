@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-docs docs test test-quick install install-into-env slurm clean gpu-bundle gpu-check
+.PHONY: demo demo-docs docs test test-quick install install-into-env slurm twin-tools clean gpu-bundle gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -75,6 +75,11 @@ slurm:
 	command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || \
 	{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge; }
+
+# iproute2 (ip, tc) from Debian, for the cluster twin (cluster.network = netns; root only).
+twin-tools:
+	command -v ip >/dev/null && command -v tc >/dev/null || \
+	{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; }
 
 # The 20 slowest tests close its output: the suite is to stay well inside CI's 90 minutes.
 test: $(STAMP)
