@@ -17,7 +17,7 @@ KEPT = {"emulated_compute_s"}  # the configuration's own value: already the clus
 
 def _scaled(key: str, value, k: float):
     if isinstance(value, dict):
-        return {n: _scaled(n if key != "time_split_s" else "_s", v, k) for n, v in value.items()}
+        return {n: _scaled(n, v, k) for n, v in value.items()}
     if isinstance(value, list):
         return [_scaled(key, v, k) if isinstance(v, (dict, list)) else v for v in value]
     if not isinstance(value, (int, float)) or isinstance(value, bool) or key in KEPT:

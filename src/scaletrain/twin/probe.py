@@ -8,19 +8,16 @@ talk with the parent; the data goes over the twin's links only."""
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
-import signal
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..launch.fork import die_with_parent
 from .netns import IFNAME, enter
-
-PR_SET_PDEATHSIG = 1
 
 
 def fork(ns: str, rank: int, addr: str, port: int, chunk: int, chunks: int) -> tuple[int, int, int]:
@@ -37,9 +34,7 @@ def fork(ns: str, rank: int, addr: str, port: int, chunk: int, chunks: int) -> t
     try:
         os.close(up_r)
         os.close(down_w)
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed parent takes its probes with it
-        if os.getppid() != parent:
-            os._exit(1)
+        die_with_parent(parent)  # a killed parent takes its probes with it
         enter(ns)
         os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
         # Its failure comes back as a line on the pipe; c10d's warnings (no reverse DNS for the twin's
