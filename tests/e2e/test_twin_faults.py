@@ -197,20 +197,13 @@ def test_a_slowed_link_holds_a_sync_job_back(slowed):
 
 
 @needs_twin
-def test_backup_drops_a_slowed_links_gradients(slowed):
+def test_backup_absorbs_a_slowed_link(slowed):
     got = slowed("backup")
     print(got)
-    # The shards take the first 2 of 3 nodes' gradients: node 3's arrive late and are dropped, so it pushes at
-    # about half a fast node's count (0.54 measured), and the job keeps more of its rate than sync does.
+    # The shards apply the first 2 of 3 nodes' gradients: node 3's arrive late and are dropped, so it pushes at
+    # about half a fast node's count (0.50 measured). A shard takes the fast nodes' pushes while node 3's
+    # gradient crosses its link, so the job keeps its rate (1.00 measured; 0.61 when a shard received one
+    # gradient at a time).
     assert got["slow_pushes"] < 0.75, got
-    assert got["after"] > 0.45 * got["before"], got
-    assert got["left"] == []
-
-
-@needs_twin
-@pytest.mark.xfail(strict=True, reason="a PS shard receives a push's gradient before it takes the next message "
-                   "(ps/server.py, Shard._receive): while node 3's gradient crosses its slowed link (0.5 s), the "
-                   "fast nodes' pushes wait, and backup keeps about 0.6 of its rate")
-def test_backup_keeps_its_rate_with_a_slowed_link(slowed):
-    got = slowed("backup")
     assert got["after"] > 0.8 * got["before"], got
+    assert got["left"] == []

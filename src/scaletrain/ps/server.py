@@ -36,11 +36,21 @@ it died is skipped; the heartbeats decide whether the job goes on without it.
 A SNAPSHOT request (from the chief, at a checkpoint) is answered at once
 with the version, the values and the optimizer state; `load` puts such a
 snapshot back when a run resumes.
+
+Messages are taken in the order they complete, not the order they started: a
+push's header asks for its gradient, and while that crosses the pusher's link
+the shard takes the other pushers' messages (up to FLYING gradients received at
+once). So a pusher behind a slow link delays only its own gradient; under
+backup workers and async the others are applied without it. gloo completes a
+receive only in a wait, so each receive in flight is waited for by a thread of
+its own (gloo lets go of the GIL meanwhile), which hands it to the loop.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +70,8 @@ from . import protocol as P
 from .sharding import gather, make_layout
 
 log = logging.getLogger("scaletrain")
+
+FLYING = 4  # gradients a shard receives at once: memory of FLYING gradients of the shard's size
 
 
 class Shard:
@@ -91,12 +103,12 @@ class Shard:
         # (added and applied in it) when it comes in another type.
         self.wire = torch.empty(self.values.shape, dtype=wire) if wire else None
         self.grad = torch.empty_like(self.values) if wire else None
-        # Pushes come into these (in the wire's type): two, so that the next push's gradient is received
-        # (by gloo's threads) while this one is applied. Memory: two gradients of the shard's size.
+        # Pushes come into these (in the wire's type), made as needed, at most FLYING in use.
         self.inbox = wire or self.values.dtype
-        self.spare = [torch.empty(self.values.shape, dtype=self.inbox) for _ in range(2)]
-        self.ahead = None  # the next message's header, asked for before it is needed (its work, comm/p2p.py)
-        self.ahead_body = None  # the body of that message, when it is a push: (buffer, work)
+        self.spare: list[torch.Tensor] = []
+        self.flying: dict[int, tuple] = {}  # src -> (version, requests, buffer, work): gradients on their way
+        self.queued: list[tuple[int, int, int]] = []  # pushes (src, version, requests) waiting for a buffer
+        self.done_q: queue.SimpleQueue = queue.SimpleQueue()  # (work, error) of each receive once it is over
         self.hdr = torch.zeros(P.HEADER, dtype=torch.int64)
         self.abandoned: list = []  # receives posted for a pusher lost since: never reused or freed
         self.syncing, self.answered, self.pulls = False, set(), []  # at a sync point, see the module doc
@@ -118,23 +130,26 @@ class Shard:
 
     def serve(self) -> None:
         failures = 0
+        hdr = self._watch(p2p.irecv(self.hdr, tag=P.TAG_HDR))  # from any pusher
         while self.active:
-            work, early = self.ahead or self._ask_header(), self.ahead_body
-            self.ahead = self.ahead_body = None
-            try:
-                p2p.wait(work)  # point-to-point from any pusher; blocks, untimed
-            except RuntimeError as e:  # a pusher died while its message was on its way
+            work, err = self.done_q.get()  # untimed: a pusher's life is the heartbeats' to judge
+            if work is not hdr:
+                self._received(work, err)
+                continue
+            if err is not None:  # a pusher died while its header was on its way
                 failures += 1
-                if failures > 3 or not self._gone(None, e):
-                    raise
+                if failures > 3 or not self._gone(None, err):
+                    raise err
+                hdr = self._watch(p2p.irecv(self.hdr, tag=P.TAG_HDR))
                 continue
             failures = 0
             src, (version, command, flag) = p2p.source(work), self.hdr.tolist()
+            hdr = self._watch(p2p.irecv(self.hdr, tag=P.TAG_HDR))  # the next message's, from now on
             self.bytes_recv += P.HEADER * 8
             if command == P.LOST:
                 self._drop(version)
             elif src in self.lost:  # a lost pusher that was only frozen: never answered (it exits)
-                self._abandon(early)
+                pass
             elif command == P.STOP:
                 self.stopped = self.stopped or flag
                 self.over |= src == self.chief
@@ -149,52 +164,56 @@ class Shard:
                 else:
                     self.pulls.append(src)
             elif self.syncing and src in self.answered:  # computed on the point's values: after the sync
-                self.waiting.append((src, version, flag, early))
+                self.waiting.append((src, version, flag))
                 self._release()
             else:
-                self._receive(src, version, flag, early)
+                self._take(src, version, flag)
 
-    def _ask_header(self):
-        return p2p.irecv(self.hdr, tag=P.TAG_HDR)  # from any pusher
+    def _watch(self, work):
+        """Have a thread wait for `work` and put it, with its error or None, on done_q; returns it."""
+        def wait() -> None:
+            try:
+                p2p.wait(work)
+                self.done_q.put((work, None))
+            except RuntimeError as e:
+                self.done_q.put((work, e))
 
-    def _receive(self, src: int, version: int, requests: int, early=None) -> None:
-        """The gradient of a push from `src` (`early`: already asked for, see _look_ahead), then its update."""
-        buf, work = early or self._ask_body(src)
-        try:
-            if not self._talk(src, lambda: p2p.wait(work)):
-                return
-            self.bytes_recv += buf.numel() * buf.element_size()
-            if not (self.syncing or self.done):
-                self.asked |= requests
-            self._look_ahead()
-            self._push(src, version, buf if self.grad is None else self.grad.copy_(buf))
-        finally:
-            if len(self.spare) < 2:  # more were made only while a sync's waiting pushes were taken
-                self.spare.append(buf)
+        threading.Thread(target=wait, name="ps-recv", daemon=True).start()
+        return work
 
-    def _ask_body(self, src: int):
-        buf = self.spare.pop() if self.spare else torch.empty(self.values.shape, dtype=self.inbox)
-        return buf, p2p.irecv(buf, src=src, tag=P.TAG_VALS)  # gloo's threads receive it from now on
-
-    def _look_ahead(self) -> None:
-        """Once a gradient is in, before working on it: ask for the next message; when it is already here
-        and is a push, ask for its gradient too, so that gloo receives it while this process adds or
-        applies the current one. The loop then takes that message as it would have received it. Not
-        before the current gradient is in: two gradients received at once share the host's cores and
-        link, and were no faster than one after the other."""
-        if self.ahead is None:
-            self.ahead = self._ask_header()
-        if self.ahead_body is not None or not self.spare or not self.ahead.is_completed() or \
-                not self.ahead.is_success():
+    def _take(self, src: int, version: int, requests: int) -> None:
+        """Ask for the gradient of a push from `src`: now, or once a buffer is free."""
+        if len(self.flying) >= FLYING:
+            self.queued.append((src, version, requests))
             return
-        src, command = p2p.source(self.ahead), int(self.hdr[1])
-        if command == P.PUSH and src in self.active and not (self.syncing and src in self.answered):
-            self.ahead_body = self._ask_body(src)
+        buf = self.spare.pop() if self.spare else torch.empty(self.values.shape, dtype=self.inbox)
+        work = self._watch(p2p.irecv(buf, src=src, tag=P.TAG_VALS))  # gloo's threads receive it from now on
+        self.flying[src] = (version, requests, buf, work)
 
-    def _abandon(self, early) -> None:
-        """A push's gradient asked for from a pusher lost since: its buffer is never reused."""
-        if early is not None:
-            self.abandoned.append(early)
+    def _received(self, work, err) -> None:
+        """A push's gradient is in (or failed): its update, then the next push waiting for a buffer."""
+        src = next((r for r, f in self.flying.items() if f[3] is work), None)
+        if src is None:  # asked for from a pusher lost since: its buffer stays abandoned
+            return
+        version, requests, buf, _ = self.flying.pop(src)
+        try:
+            if err is None:
+                self.bytes_recv += buf.numel() * buf.element_size()
+                if not (self.syncing or self.done):
+                    self.asked |= requests
+                self._push(src, version, buf if self.grad is None else self.grad.copy_(buf))
+            elif not self._gone(src, err):
+                raise err
+            else:
+                self.active.discard(src)  # the chief's LOST follows, or the heartbeats end the job
+        finally:
+            self.spare.append(buf)
+        self._fill()
+
+    def _fill(self) -> None:
+        """Ask for the gradients that waited for a buffer, while one is free."""
+        while self.queued and len(self.flying) < FLYING:
+            self._take(*self.queued.pop(0))
 
     def _drop(self, rank: int) -> None:
         """A pusher lost for good: go on without it."""
@@ -204,9 +223,10 @@ class Shard:
         self.lost.add(rank)
         self.active.discard(rank)
         self.pulls = [r for r in self.pulls if r != rank]
-        for w in self.waiting:
-            if w[0] == rank:
-                self._abandon(w[3])
+        if rank in self.flying:  # gloo may still write into its buffer: never reused
+            self.abandoned.append(self.flying.pop(rank))
+        self.queued = [q for q in self.queued if q[0] != rank]
+        self._fill()
         self.waiting = [w for w in self.waiting if w[0] != rank]
         self._maybe_apply()
         self._release()
@@ -327,11 +347,9 @@ class Shard:
             return
         self.syncing = False
         waiting, self.waiting = self.waiting, []
-        for src, version, requests, early in waiting:
+        for src, version, requests in waiting:
             if src in self.active:
-                self._receive(src, version, requests, early)
-            else:
-                self._abandon(early)
+                self._take(src, version, requests)
 
     def state(self) -> list[torch.Tensor]:
         """The values, then the optimizer state tensors (none before the first update)."""
