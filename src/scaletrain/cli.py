@@ -151,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
                     "noise scale (2 or more replicas, or train.noise_every), and for asynchronous parameter servers "
                     "emulator runs (strategy.emulate_workers); what time to accuracy is predicted from")
     pr.add_argument("--min-efficiency", type=float, default=0.0)
+    pr.add_argument("--force", action="store_true", help="--recommend: recommend from a profile its calibration "
+                    "flagged (its [about] flags, printed as warnings) instead of refusing it")
     pr.add_argument("--max-staleness", type=float, help="leave out configurations with more mean staleness")
     pr.add_argument("--validate", nargs="+", type=Path, metavar="BENCH_DIR",
                     help="predicted against measured for every row of these bench outputs")
@@ -241,7 +243,8 @@ def _predict(args) -> int:
     if args.recommend:
         return commands.recommend_command(args.profile, args.recipe, args.overrides, args.format, args.spread,
                                           args.max_nodes, args.max_batch, args.batches, args.objective,
-                                          args.min_efficiency, args.max_staleness, target, args.learning)
+                                          args.min_efficiency, args.max_staleness, target, args.learning,
+                                          args.force)
     return commands.predict_command(args.profile, args.recipe, args.overrides, grid, args.format, args.spread,
                                     args.images, args.epochs, target, args.learning)
 

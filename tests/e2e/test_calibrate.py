@@ -89,3 +89,29 @@ def test_calibrate_and_predict_a_user_network(tmp_path):
     r = run("predict", "--profile", str(prof), "--recipe", "recipes/digits.toml", *sets[:4], env=env)
     assert r.returncode == 2 and "measured for user_models:plain {'width': 4}, 16 px; the recipe trains " \
         "user_models:plain, 16 px" in r.stderr, r.stderr
+
+
+def test_a_calibration_on_a_busy_host_is_flagged_and_recommend_refuses_it(tmp_path):
+    """A busy loop on half the cores for the whole of a short calibration: the profile says the host
+    was busy (other processes took half the cores' time, twice the bound), and --recommend will not
+    use it. Half, not all: a loop on every core doubles the calibration's minute."""
+    prof = tmp_path / "busy.toml"
+    loops = max(1, (os.cpu_count() or 1) // 2)
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
+    try:
+        r = run("calibrate", "--recipe", "recipes/digits.toml", "--set", "data.workers=0", "--steps", "3",
+                "--runs", "1", "--out", str(prof))
+    finally:
+        for p in load:
+            p.kill()
+        for p in load:
+            p.wait()
+    assert r.returncode == 0, r.stderr
+    _, about = load_profile(prof)
+    busy = [f for f in about["flags"] if f.startswith("other processes took")]
+    assert busy and f"  flag: {busy[0]}" in r.stdout, r.stdout
+    assert "calibrate: round 1 of 1 done" in r.stderr
+    r = run("predict", "--profile", str(prof), "--recipe", "recipes/digits.toml", "--set", "data.workers=0",
+            "--recommend", "--max-nodes", "1")
+    assert r.returncode == 2 and r.stderr.startswith(f"scaletrain: error: profile {prof} is flagged: "), r.stderr
+    assert "--force" in r.stderr and len(r.stderr.splitlines()) == 1

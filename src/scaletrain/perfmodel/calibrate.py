@@ -26,6 +26,11 @@
   bandwidths are divided by the factor (never below 1) that makes the
   model's step of that job the measured one; the latency stays.
 
+A calibration that cannot be true (figures that moved between rounds, a job
+orders of magnitude slower than its microbenchmark, a host others kept busy)
+is flagged in the profile's [about] table (spread_flags, load_flags,
+busy_flags), and `predict --recommend` refuses it without --force.
+
 Each figure is the median of several rounds, each of which measures every
 figure once (separate jobs and process pairs): loopback timings on a loaded
 host move between runs, in spells that last minutes, and one run, or three
@@ -46,7 +51,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -229,6 +234,91 @@ def measure_copy(numel: int, device: torch.device) -> float:
     return _timed(copy, 10)
 
 
+# --- flags: a calibration that cannot be true ----------------------------------------------------
+# Each flag is one line naming the figure, its value and the bound; a flagged profile is kept (its
+# figures say what went wrong) but `predict --recommend` refuses it without --force.
+
+# (max - min) / median of a figure over the rounds. On this 2-core host a calibration beside little
+# else moved the 1-replica step by 28% between rounds; one while other processes took 63% of the
+# cores' time moved it by 78%, and the 4-byte latency by 148%. A figure that moved by half its
+# median was measured through another process's spell, and its median decides little.
+SPREAD_BOUND = 0.5
+# A job's load factor: how much slower a job moves its bytes than the microbenchmark did. Beside
+# little else on this host the all-reduce's came out 2.9 to 6.2 and the transfers' 4.5 (a job's other
+# copies hold the cores loopback needs); with others taking 63% of the cores, 80 and 112. Ten times
+# is not a cost of the job but of something else holding the cores while it ran.
+LOAD_BOUND = 10.0
+# The 1-minute load average against the cores before and after, less the calibration's own use of
+# the cores: more than half of them already runnable means the figures were measured on a share.
+BUSY_LOAD = 0.5
+# Other processes' share of all the cores' time while the calibration ran (from /proc/stat, less
+# this process's and its children's CPU time). On a quiet host, the system's few percent; a quarter
+# is half a core of two, taken from jobs that size a core per replica.
+OTHERS_BOUND = 0.25
+
+
+def spread_flags(spreads: dict[str, float], bound: float = SPREAD_BOUND) -> list[str]:
+    """A flag for each figure (NAME.FIGURE) whose spread over the rounds passes `bound`."""
+    return [f"{name} varied by {x:.2f} of its median between rounds (bound {bound:g})"
+            for name, x in spreads.items() if x > bound]
+
+
+def load_flags(about: dict[str, Any], bound: float = LOAD_BOUND) -> list[str]:
+    """A flag for each job's load factor ([about]'s allreduce_load, transfer_load) above `bound`."""
+    what = {"allreduce_load": "the 2-replica job's all-reduce", "transfer_load": "the PS job's transfers"}
+    return [f"{what[k]} {about[k]:.1f} x as slow as in the microbenchmark ({k}; bound {bound:g} x)"
+            for k in what if about.get(k, 0.0) > bound]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The host's load at one moment, as calibrate sees it before and after its rounds."""
+
+    at: float         # time.monotonic() seconds
+    load: float       # 1-minute load average (os.getloadavg)
+    busy_s: float     # CPU seconds every process on the host has used since boot (/proc/stat; 0: none)
+    total_s: float    # CPU seconds of all the host's CPUs, busy or idle, since boot (/proc/stat)
+    own_s: float      # CPU seconds of this process and the children it has waited for (os.times)
+
+
+def machine_now() -> Machine:
+    """The host's load now. /proc/stat's first line counts every CPU's time in clock ticks by kind;
+    idle and iowait are the idle ones. Without /proc (not Linux) only the load average is known."""
+    t = os.times()
+    busy = total = 0.0
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        hz = os.sysconf("SC_CLK_TCK")
+        total, busy = sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz
+    except (OSError, ValueError, IndexError):
+        pass
+    return Machine(at=time.monotonic(), load=os.getloadavg()[0], busy_s=busy, total_s=total,
+                   own_s=t.user + t.system + t.children_user + t.children_system)
+
+
+def busy_flags(before: Machine, after: Machine, cores: int, load_bound: float = BUSY_LOAD,
+               others_bound: float = OTHERS_BOUND) -> list[str]:
+    """Flags for a host that others kept busy: its load average before, and after less the
+    calibration's own mean use of the cores (a 1-minute average still holds the calibration's own
+    jobs), above `load_bound` of the cores; other processes' share of the cores' time meanwhile
+    above `others_bound`. The processes of a job are forks the calibration waits for, so their CPU
+    time is its own."""
+    out, limit = [], load_bound * cores
+    own_cores = (after.own_s - before.own_s) / max(after.at - before.at, 1e-9)
+    if before.load > limit:
+        out.append(f"load average {before.load:.2f} before calibrating, on {cores} cores (bound {limit:.1f})")
+    if after.load - own_cores > limit:
+        out.append(f"load average {after.load:.2f} after calibrating, {after.load - own_cores:.2f} beyond its own "
+                   f"{own_cores:.2f} cores, on {cores} cores (bound {limit:.1f})")
+    elapsed = after.total_s - before.total_s
+    if elapsed > 0:
+        others = max(0.0, after.busy_s - before.busy_s - (after.own_s - before.own_s)) / elapsed
+        if others > others_bound:
+            out.append(f"other processes took {others:.0%} of the cores' time while calibrating "
+                       f"(bound {others_bound:.0%})")
+    return out
+
+
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print) -> tuple[Profile, dict]:
     """Every figure is measured in `runs` rounds (jobs and process pairs started afresh each
     time, every figure once a round); the profile holds what derive() makes of their medians,
@@ -262,13 +352,21 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         **({} if n == 2 and backend == "gloo" else {"allreduce": lambda: measure_comm(n, big, backend)}),
         **({} if gpu else {"job2": lambda: job(cfg, 2), "ps_job": lambda: job(cfg, 1, **PS_JOB)}),
     }
+    before = machine_now()
     m, spreads = rounds(measures, runs, say)
+    after = machine_now()
+    flags = spread_flags(spreads)
     host = {"device": device, "gpus": torch.cuda.device_count() if gpu else 0, "cores": cores,
             "allreduce_over": n, "big_elements": big, "other_batch": b_other}
     prof, about = derive(cfg, m, host, say)
     about.update(source=f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
                  torch=torch.__version__, runs=runs, host=host,
                  measured={f"{name}.{k}": v for name, figs in m.items() for k, v in figs.items()}, spread=spreads)
+    flags += load_flags(about) + busy_flags(before, after, cores)
+    for flag in flags:
+        say(f"  flag: {flag}")
+    if flags:
+        about["flags"] = flags
     return prof, about
 
 
@@ -315,6 +413,7 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; the all-reduce's bytes {load:.2f} x as slow as "
             "in the microbenchmark")
         ibw = ibw / load
+        about["allreduce_load"] = round(load, 4)
     prof = Profile(model=cfg.model.name, model_args=cfg.model.args, image_size=cfg.data.image_size,
                    batch_per_replica=cfg.data.batch_size,
                    gradient_bytes=nbytes, replicas_per_node=host["gpus"] or cores,
@@ -369,6 +468,10 @@ def median_profile(paths: list[Path]) -> tuple[Profile, dict]:
                                "calibrations of different setups")
     about = {**{k: v for k, v in loaded[0][1].items() if k != "measured"},  # each calibration keeps its own
              "source": f"median of {len(paths)} calibrations: " + ", ".join(map(str, paths)), "spread": spreads}
+    flags = [f"{path}: {flag}" for path, (_, a) in zip(paths, loaded) for flag in a.get("flags", [])]
+    about.pop("flags", None)
+    if flags:  # a median holds off one odd calibration, not one that cannot be true: say which
+        about["flags"] = flags
     loads = [a["transfer_load"] for _, a in loaded if "transfer_load" in a]
     if loads:
         about["transfer_load"] = statistics.median(loads)

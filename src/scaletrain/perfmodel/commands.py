@@ -19,7 +19,7 @@ from ..models import check_network
 from .calibrate import calibrate
 from .predict import add_time, predict, table
 from .profile import Profile, dump_profile, fits, largest_batch, load_profile, memory_text
-from .recommend import batch_candidates, recommend, recommend_table
+from .recommend import batch_candidates, recommend, recommend_table, shown_flags
 from .setup import check_workload
 from .statistical import Learning, add_target, read_learning
 from .validate import speedup_errors, staleness_errors, validate_rows, validate_table
@@ -50,16 +50,36 @@ def calibrate_command(recipe: str | None, overrides: list[str], out: Path, steps
     return 0
 
 
-def workload(profile: str, recipe: str | None, overrides: list[str], spread: float) -> tuple[Profile, Config]:
-    """The profile and the recipe's config, checked against each other (check_workload)."""
-    prof, _ = load_profile(profile)
+def workload(profile: str, recipe: str | None, overrides: list[str],
+             spread: float) -> tuple[Profile, Config, list[str]]:
+    """The profile and the recipe's config, checked against each other (check_workload), and the
+    profile's flags (calibrate.py: what says its calibration cannot be true)."""
+    prof, about = load_profile(profile)
     if not recipe:
         raise ConfigError("predict needs --recipe (or --validate BENCH_DIR)")
     if spread < 0:
         raise ConfigError(f"--spread {spread}: must be >= 0")
     cfg = load_config(recipe, overrides)
     check_workload(cfg, prof, profile)
-    return prof, cfg
+    return prof, cfg, profile_flags(about)
+
+
+def profile_flags(about: dict) -> list[str]:
+    """The [about] table's flags: one line each (a single string, written by hand, is one flag)."""
+    flags = about.get("flags", [])
+    return [flags] if isinstance(flags, str) else [str(f) for f in flags]
+
+
+def warn_flags(profile: str, flags: list[str]) -> None:
+    for flag in flags:
+        print(f"scaletrain: warning: profile {profile} is flagged: {flag}", file=sys.stderr)
+
+
+def refusal(profile: str, flags: list[str]) -> str:
+    """Why --recommend will not choose from a flagged profile, in one line."""
+    more = f" (and {len(flags) - 1} more)" if len(flags) > 1 else ""
+    return (f"profile {profile} is flagged: {flags[0]}{more}; calibrate again on a quiet machine, or give --force "
+            "to recommend from it anyway")
 
 
 def predict_command(profile: str, recipe: str | None, overrides: list[str], cells: list[dict[str, str]],
@@ -73,13 +93,14 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
     when a cell could not be predicted."""
     try:
         measured = learned(target, learning)
-        prof, cfg = workload(profile, recipe, overrides, spread)
+        prof, cfg, flags = workload(profile, recipe, overrides, spread)
         images = prof.dataset_images if images is None else images
         epochs = (prof.epochs or cfg.train.epochs) if epochs is None else epochs
         if images < 0 or epochs < 0:
             raise ConfigError(f"--images {images} / --epochs {epochs}: must be >= 0")
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))
+    warn_flags(profile, flags)  # a prediction from it may still say something; a recommendation is refused
     rows = []
     for cell in cells:
         label = ", ".join(f"{k}={v}" for k, v in cell.items()) or "recipe"
@@ -115,13 +136,18 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
                       spread: float = 0.0, max_nodes: int = 16, max_batch: int | None = None,
                       batches: str | None = None, objective: str = "throughput", min_efficiency: float = 0.0,
                       max_staleness: float | None = None, target: tuple[str, float] | None = None,
-                      learning: list[Path] | None = None) -> int:
+                      learning: list[Path] | None = None, force: bool = False) -> int:
     """`scaletrain predict --recommend`: the best configuration per node count up to max_nodes,
     trying the batches per replica `batches` ("16,32") or those up to max_batch (default: the
-    recipe's batch only)."""
+    recipe's batch only). A flagged profile is refused (status 2) unless `force`: a configuration
+    chosen on figures that cannot be true is worse than none. Rows whose strategy's speedup falls
+    with nodes are marked in the table and named on stderr."""
     try:
         measured = learned(target, learning)
-        prof, cfg = workload(profile, recipe, overrides, spread)
+        prof, cfg, flags = workload(profile, recipe, overrides, spread)
+        if flags and not force:
+            return fail(refusal(profile, flags))
+        warn_flags(profile, flags)
         if max_nodes < 1:
             return fail(f"--max-nodes {max_nodes}: must be >= 1")
         try:
@@ -141,6 +167,10 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
                             learning=measured)
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))
+    falling = shown_flags(entries)
+    if falling:
+        print(f"recommend: flagged rows, outside what more nodes can do: {'; '.join(falling)}; a figure of the "
+              "profile may be wrong", file=sys.stderr)
     if fmt == "json":
         print(json.dumps(entries, indent=1))
     else:
@@ -188,7 +218,8 @@ def validate_command(profile: str, bench_dirs: list[Path], out: Path | None = No
     outputs, written to OUT (default: the first bench directory, where `scaletrain report` finds
     them) as validate.md and validate-rows.json; the exit status."""
     try:
-        prof, _ = load_profile(profile)
+        prof, about = load_profile(profile)
+        warn_flags(profile, profile_flags(about))
         rows = validate_rows(bench_dirs, prof, profile)
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))

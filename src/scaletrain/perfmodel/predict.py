@@ -149,16 +149,39 @@ def add_time(row: dict[str, Any], images: int, epochs: float) -> dict[str, Any]:
     return row
 
 
+def human_time(seconds: float) -> str:
+    """A duration in the unit that reads at a glance ('2.8 ms', '9.9 s', '14 min', '3.2 h',
+    '2.1 d'): one decimal below 10 of the unit (two below 1), whole ones above. Tables of hours
+    to three digits ('0.00275 h') make the reader convert; JSON keeps seconds and hours."""
+    if seconds < 0:
+        return "-" + human_time(-seconds)
+    if seconds == 0:
+        return "0 s"
+    for unit, size, below in (("ms", 1e-3, 1.0), ("s", 1.0, 90.0), ("min", 60.0, 5400.0), ("h", 3600.0, 172800.0)):
+        if seconds < below:
+            return _figure(seconds / size, unit)
+    return _figure(seconds / 86400, "d")
+
+
+def _figure(x: float, unit: str) -> str:
+    return f"{x:.{2 if x < 1 else 1 if x < 10 else 0}f} {unit}"
+
+
+def signed_time(seconds: float) -> str:
+    """A difference of durations with its sign: '+14 min', '-9.9 s'."""
+    return ("+" if seconds >= 0 else "") + human_time(seconds)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: the predicted figures of each row, with its bottleneck (and epoch and training
     time, and the updates, images and hours to a target, where the rows have them)."""
     timed = any("epoch_s" in r for r in rows)
     trained = any("train_hours" in r for r in rows)
     targeted = any("target_hours" in r or "target_note" in r for r in rows)
-    extra = (" Epoch (h) |" if timed else "") + (" Training time (h) |" if trained else "") + \
-        (" Updates to target | Images to target | Hours to target |" if targeted else "")
+    extra = (" Epoch |" if timed else "") + (" Training time |" if trained else "") + \
+        (" Updates to target | Images to target | Time to target |" if targeted else "")
     columns = 10 + timed + trained + 3 * targeted
-    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step (ms) | Bottleneck | PS CPU | "
+    lines = ["| Setup | Throughput (img/s) | Speedup | Efficiency | Step | Bottleneck | PS CPU | "
              "Busiest link | Staleness mean / p95 | Method |" + extra, "|---" * columns + "|"]
     for r in rows:
         if r.get("error"):
@@ -167,14 +190,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f} / {r['staleness_p95']:.0f}" + \
             (f", drops {r['dropped_fraction']:.0%}" if r["dropped_fraction"] else "")
         if "target_hours" in r:
-            evals = f" ({r['target_eval_hours']:.2g} evaluating)" if r.get("target_eval_hours") else ""
-            target = f" {r['target_updates']:.0f} | {r['target_images']:.3g} | {r['target_hours']:.3g}{evals} |"
+            evals = f" ({human_time(r['target_eval_hours'] * 3600)} evaluating)" if r.get("target_eval_hours") else ""
+            target = f" {r['target_updates']:.0f} | {r['target_images']:.3g} | " \
+                     f"{human_time(r['target_hours'] * 3600)}{evals} |"
         else:
             target = f" {r.get('target_note', '-')} | | |"
         lines.append(f"| {scaling.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
-                     f"{r['step_s'] * 1e3:.1f} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
+                     f"{human_time(r['step_s'])} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
                      f"{r['link_util']:.2f} | {stale} | {r['method']} |"
-                     + (f" {r['epoch_s'] / 3600:.2f} |" if timed else "")
-                     + (f" {r['train_hours']:.1f} |" if trained else "")
+                     + (f" {human_time(r['epoch_s'])} |" if timed else "")
+                     + (f" {human_time(r['train_hours'] * 3600)} |" if trained else "")
                      + (target if targeted else ""))
     return "\n".join(lines)

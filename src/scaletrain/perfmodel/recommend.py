@@ -19,11 +19,12 @@ Near-ties (about 1%) keep the batch nearest the recipe's.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from ..config import Config
 from ..strategies import REGISTRY
-from .predict import predict
+from .predict import human_time, predict, signed_time
 from .profile import Profile, fits, memory_at
 from .scaling import setup
 from .setup import ModelError
@@ -101,9 +102,9 @@ def value(row: dict[str, Any], objective: str) -> float:
 
 
 def compare(row: dict[str, Any], other: dict[str, Any], objective: str) -> str:
-    """How row stands against other: '-17% throughput', or '+0.40 h to the target (2.10x the images)'."""
+    """How row stands against other: '-17% throughput', or '+24 min to the target (2.10x the images)'."""
     if objective == "time-to-accuracy":
-        return (f"{row['target_hours'] - other['target_hours']:+.2f} h to the target "
+        return (f"{signed_time((row['target_hours'] - other['target_hours']) * 3600)} to the target "
                 f"({row['target_images'] / other['target_images']:.2f}x the images)")
     return f"{value(row, objective) / value(other, objective) - 1:+.0%} {objective}"
 
@@ -125,13 +126,14 @@ def why(loser: dict[str, Any], best: dict[str, Any], objective: str) -> str:
 def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "throughput",
               min_efficiency: float = 0.0, max_staleness: float | None = None, spread: float = 0.0,
               runners_up: int = 3, progress: bool = True, batches: list[int] | None = None,
-              learning: Learning | None = None) -> list[dict[str, Any]]:
+              learning: Learning | None = None, clock=time.monotonic) -> list[dict[str, Any]]:
     """One entry per node count: {"nodes": T, "best": row, "runners_up": [(row, reason), ...],
     "batch_reason": str, "considered": n, "batches": tried, "unfit": left out for memory};
     best is None when no candidate meets the limits. batches: the batches per replica to try
     (default: the recipe's); the runners-up are other configurations at the chosen batch. learning:
     the measured run that time to accuracy is predicted from (statistical.py), needed by that
-    objective, which leaves out the strategies it cannot predict (asynchronous ones)."""
+    objective, which leaves out the strategies it cannot predict (asynchronous ones). A row whose
+    strategy's speedup falls as nodes grow carries a `flag` (falling_speedups)."""
     if objective == "time-to-accuracy" and learning is None:
         raise ModelError("--objective time-to-accuracy needs --learning RUN_DIR and --until accuracy=A or loss=L")
     recipe = cfg.data.batch_size
@@ -139,16 +141,21 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
     stages = {b: stages_to_fit(cfg, p, b) for b in batches}  # a batch one device cannot hold may fit in stages
     unfit = [b for b in batches if stages[b] is None]
     tried = [b for b in batches if b not in unfit]
-    out = []
-    for total in node_counts(max_nodes):
+    out, fastest = [], {}
+    counts = node_counts(max_nodes)
+    shapes = {t: [c for b in tried for c in candidates(cfg.replace(**{"data.batch_size": b,
+                                                                     "parallel.stages": stages[b]}), t)]
+              for t in counts}
+    start = clock()
+    for k, total in enumerate(counts):
         rows = []
-        for b in tried:
-            for c in candidates(cfg.replace(**{"data.batch_size": b, "parallel.stages": stages[b]}), total):
-                try:
-                    row = predict(c, p, spread)
-                except ModelError:
-                    continue  # a shape the profile's nodes cannot hold
-                rows.append(add_target(row, c, learning) if learning else row)
+        for c in shapes[total]:
+            try:
+                row = predict(c, p, spread)
+            except ModelError:
+                continue  # a shape the profile's nodes cannot hold
+            rows.append(add_target(row, c, learning) if learning else row)
+        fastest[total] = fastest_by_strategy(rows)
         ok = [r for r in rows if r["efficiency"] >= min_efficiency
               and (objective != "time-to-accuracy" or "target_hours" in r)
               and (max_staleness is None or (r["staleness_mean"] or 0.0) <= max_staleness)]
@@ -164,8 +171,63 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
                     "batch_reason": batch_reason(best, tops, recipe, unfit, p, objective) if best else "",
                     "runners_up": [(r, why(r, best, objective)) for r in same[:runners_up]]})
         if progress:
-            print(f"  {total} node{'s' if total > 1 else ''}: {len(rows)} configurations", file=sys.stderr, flush=True)
+            print(f"  {total} node{'s' if total > 1 else ''}: {len(rows)} configurations; "
+                  f"{progress_note(shapes, counts[:k + 1], clock() - start)}", file=sys.stderr, flush=True)
+    mark_falling(out, falling_speedups(fastest))
     return out
+
+
+def progress_note(shapes: dict[int, list], done: list[int], elapsed: float) -> str:
+    """'3 of 5 node counts done, 12 s in, about 1.5 min left': the time left from the time so far,
+    each node count weighed by its candidates times its nodes (a simulation's events grow with both)."""
+    weight = {t: len(cs) * t for t, cs in shapes.items()}
+    did, left = sum(weight[t] for t in done), sum(w for t, w in weight.items() if t not in done)
+    text = f"{len(done)} of {len(shapes)} node counts done, {human_time(elapsed)} in"
+    return text + (f", about {human_time(elapsed * left / did)} left" if left and did else "")
+
+
+# A strategy's speedup may level off as nodes grow; one that falls by more than this below its best
+# at fewer nodes is flagged. A ring over n nodes gains while a replica's compute outweighs two of its
+# latencies (n / (compute + 2(n - 1) latency) grows), and servers can be added with the nodes: a
+# falling speedup says a figure of the profile is off (a calibration on a busy host: a job's bytes
+# a thousand times as slow) or that the model is asked about a machine it was not measured on.
+# 5% leaves room for the simulation's rounding of cycles.
+FALL_BOUND = 0.05
+
+
+def fastest_by_strategy(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each strategy's row with the highest speedup among `rows` (one node count's candidates)."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["strategy"] not in best or r["speedup"] > best[r["strategy"]]["speedup"]:
+            best[r["strategy"]] = r
+    return best
+
+
+def falling_speedups(fastest: dict[int, dict[str, dict[str, Any]]],
+                     bound: float = FALL_BOUND) -> dict[tuple[str, int], str]:
+    """(strategy, nodes) -> a one-line flag where the strategy's best speedup at that node count
+    (fastest[nodes][strategy], fastest_by_strategy's) falls below its peak at fewer nodes by more
+    than `bound`, naming both, and the bottleneck there."""
+    flags, peak = {}, {}
+    for total in sorted(fastest):
+        for name, r in fastest[total].items():
+            top = peak.get(name)
+            if top and r["speedup"] < top[0] * (1 - bound):
+                flags[(name, total)] = (f"{name}'s speedup falls as nodes grow: {top[0]:.2f} at {top[1]} "
+                                        f"node{'s' if top[1] > 1 else ''}, "
+                                        f"{r['speedup']:.2f} at {total} ({r['bottleneck']} bound)")
+            if not top or r["speedup"] > top[0]:
+                peak[name] = (r["speedup"], total)
+    return flags
+
+
+def mark_falling(entries: list[dict[str, Any]], flags: dict[tuple[str, int], str]) -> None:
+    """Give the recommended and runner-up rows of a flagged strategy and node count their flag."""
+    for e in entries:
+        for r in [e["best"], *(r for r, _ in e["runners_up"])]:
+            if r is not None and (r["strategy"], e["nodes"]) in flags:
+                r["flag"] = flags[(r["strategy"], e["nodes"])]
 
 
 def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int, unfit: list[int],
@@ -203,9 +265,10 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
 
 
 def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
+    """Markdown: one line per node count; a flagged row (falling_speedups) says so in its cell."""
     timed = objective == "time-to-accuracy"
     lines = [f"| Nodes | Recommended ({objective}) | Batch per replica | Images per update | img/s | Speedup | "
-             "Efficiency |" + (" Hours to target | Images to target |" if timed else "")
+             "Efficiency |" + (" Time to target | Images to target |" if timed else "")
              + " Why this batch | Runners-up at that batch and why they lose |",
              "|---" * (9 + 2 * timed) + "|"]
     for e in entries:
@@ -213,9 +276,20 @@ def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
         if b is None:
             lines.append(f"| {e['nodes']} | none meets the limits ({e['considered']} considered) |" + " |" * (7 + 2 * timed))
             continue
-        losers = "; ".join(f"{setup(r)}: {reason}" for r, reason in e["runners_up"]) or "-"
-        lines.append(f"| {e['nodes']} | {setup(b)} | {b['batch_per_replica']} | {b['update_batch']} | "
+        losers = "; ".join(f"{setup(r)}{marked(r)}: {reason}" for r, reason in e["runners_up"]) or "-"
+        lines.append(f"| {e['nodes']} | {setup(b)}{marked(b)} | {b['batch_per_replica']} | {b['update_batch']} | "
                      f"{b['images_per_sec']:.1f} | {b['speedup']:.2f} | {b['efficiency']:.2f} | "
-                     + (f"{b['target_hours']:.3g} | {b['target_images']:.3g} | " if timed else "")
+                     + (f"{human_time(b['target_hours'] * 3600)} | {b['target_images']:.3g} | " if timed else "")
                      + f"{e['batch_reason'] or '-'} | {losers} |")
     return "\n".join(lines)
+
+
+def marked(row: dict[str, Any]) -> str:
+    return " [flagged: speedup falls as nodes grow]" if row.get("flag") else ""
+
+
+def shown_flags(entries: list[dict[str, Any]]) -> list[str]:
+    """The flags of the rows the table shows, one a strategy: that of its most nodes."""
+    rows = [r for e in entries for r in [e["best"], *(r for r, _ in e["runners_up"])] if r is not None]
+    last = {r["strategy"]: r["flag"] for r in sorted(rows, key=lambda r: r["nodes_total"]) if r.get("flag")}
+    return list(last.values())

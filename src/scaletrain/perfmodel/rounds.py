@@ -8,16 +8,19 @@ measurements took in the rounds before.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Any
 
 
-def rounds(measures: dict[str, Any], runs: int, say=print,
-           clock=time.monotonic) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+def rounds(measures: dict[str, Any], runs: int, say=print, clock=time.monotonic,
+           tell=None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Call every measure (name -> fn returning a dict of figures) once a round, for `runs`
     rounds, so that a slow spell of the host falls on every figure alike; a line before each
-    says how far it has come and how long is left (eta). Returns each figure's median over the
-    rounds, and its spread: (max - min) / median, keyed NAME.FIGURE."""
+    says how far it has come and how long is left (eta), and one on stderr (`tell`) after each
+    round, where the lines of the figures' jobs do not bury it. Returns each figure's median
+    over the rounds, and its spread: (max - min) / median, keyed NAME.FIGURE."""
+    tell = tell or (lambda line: print(line, file=sys.stderr, flush=True))
     results: dict[str, list[dict[str, float]]] = {name: [] for name in measures}
     took: dict[str, list[float]] = {name: [] for name in measures}
     start, total = clock(), runs * len(measures)
@@ -29,6 +32,8 @@ def rounds(measures: dict[str, Any], runs: int, say=print,
             t0 = clock()
             results[name].append(measure())
             took[name].append(clock() - t0)
+        tell(f"calibrate: round {j + 1} of {runs} done, {duration(clock() - start)} in"
+             f"{eta(took, runs - j, len(measures))}")
     medians, spreads = {}, {}
     for name, rs in results.items():
         medians[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
