@@ -25,8 +25,8 @@ The summary's figures are the cluster's (durations / k, rates x k), as bench rea
 Prediction. `scaletrain predict` with the study profile whose net_bandwidth is the row's link rate
 (rate x 1e9 / 8 bytes/s; a copy in a temporary directory) and the study's recipe
 (recipes/anp-resnet50.toml) at one GPU a node. A second figure, `predicted_network_only`, leaves
-the PS's CPU out (ps_apply_rate and ps_accumulate_rate 1e15) and makes its shard one thread
-(ps_overlap = false, scaletrain's server): the twin dilates neither the PS's CPU time nor
+the PS's CPU out (ps_apply_rate and ps_accumulate_rate 1e15) and makes its shard send its own
+replies (ps_overlap = false, scaletrain's server): the twin dilates neither the PS's CPU time nor
 anything but emulated compute and links, so at k > 1 its PS computes k times faster than the
 cluster's, and that figure is the model of what the twin emulates. The model gives point
 figures here (`band` is null): the study profile is set from published figures, with no

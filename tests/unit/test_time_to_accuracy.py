@@ -75,7 +75,7 @@ def test_time_to_accuracy_prefers_the_batch_that_needs_fewer_images(tmp_path):
     assert best["target_images"] == pytest.approx(32000) and best["target_updates"] == pytest.approx(1000)
     assert best["target_hours"] == pytest.approx(32000 / best["images_per_sec"] / 3600, rel=1e-9)
     assert best["images_per_sec"] == pytest.approx(32 / 1.01, rel=0.02)
-    assert "128: +0.03 h to the target (3.40x the images)" in entry["batch_reason"], entry["batch_reason"]
+    assert "128: +1.7 min to the target (3.40x the images)" in entry["batch_reason"], entry["batch_reason"]
     with pytest.raises(ModelError, match="needs --learning"):
         recommend(cfg, TOY, max_nodes=1, objective="time-to-accuracy", progress=False)
 

@@ -8,8 +8,8 @@ synchronous PS shard adds each gradient into an accumulator (bytes /
 `ps_accumulate_rate` of CPU) and applies one update per version: the sum's
 mean (one more pass at that rate) and the optimizer (bytes /
 `ps_apply_rate`), as TensorFlow's synchronous replicas and scaletrain's
-server both do; an asynchronous one applies every gradient. A one-thread shard
-(scaletrain's) also moves each of its messages itself, one after another.
+server both do; an asynchronous one applies every gradient. scaletrain's shard
+receives gradients while it works and sends its replies itself, one after another.
 These formulas assume every replica runs at the same speed; uneven speeds,
 backups and asynchronous shards go to the event simulation (simulate.py).
 On a shared host (profile.shared_cores > 0) every process's work competes
@@ -22,6 +22,7 @@ predict.estimate adds it to compute_s before these formulas run.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -195,8 +196,8 @@ def sync_ps(p: Profile, st: Setup) -> Estimate:
     A threaded shard (ps_overlap) works while messages move: the push and pull phases last
     as long as their busiest link, and the shard's accumulating overlaps the push of later
     gradients, so what is left is its accumulating not hidden behind its own incoming
-    transfers (at least one gradient's), then the update. A one-thread shard moves every
-    message itself (serial_shard_s)."""
+    transfers (at least one gradient's), then the update. scaletrain's shard sends every reply
+    itself (serial_shard_s)."""
     n_push = st.pushers
     out_b, in_b = _phase_bytes(st)
     acc_k = [n_push * s / p.ps_accumulate_rate for s in st.shard_bytes]
@@ -235,17 +236,29 @@ def sync_update_s(p: Profile, nbytes: float) -> float:
 
 
 def serial_shard_s(p: Profile, st: Setup, k: int, ahead: float) -> tuple[float, float]:
-    """(The round of one-thread shard k, its busy seconds in it) with pushers that spend `ahead`
-    seconds between its reply and their next gradient. The shard takes each gradient in
-    (moving it, then adding it up), applies, then sends each reply in turn; the pusher it
-    answers first computes meanwhile, so a round is its reply, `ahead`, every gradient in and
-    the update, unless the replies alone take longer than the first one and `ahead`."""
-    s = st.shard_bytes[k]
-    move = [s / p.local_bandwidth + (p.net_latency if st.pusher_node(i) != st.ps_nodes[k] else 0.0)
-            if st.pusher_node(i) == st.ps_nodes[k] or p.shared_cores else s / p.net_bandwidth + p.net_latency
-            for i in range(st.pushers)]
-    takes = sum(move) + st.pushers * s / p.ps_accumulate_rate + sync_update_s(p, s)
-    return takes + max(move[0] + ahead, sum(move)), takes + sum(move)
+    """(The round of scaletrain's shard k, its busy seconds in it) with pushers that spend `ahead`
+    seconds between its reply and their next gradient. The gradients come in while the shard works
+    (the communication library's threads receive them), one after another through the PS's link;
+    the shard adds each once it is free, applies, then sends each reply itself, in turn. The pusher
+    answered first computes meanwhile, so its next gradient may be in before the last reply is out."""
+    s, n = st.shard_bytes[k], st.pushers
+    add = s / p.ps_accumulate_rate
+    linked = [st.pusher_node(i) != st.ps_nodes[k] and not p.shared_cores for i in range(n)]
+    move = [s / p.net_bandwidth + p.net_latency if linked[i] else
+            s / p.local_bandwidth + (p.net_latency if st.pusher_node(i) != st.ps_nodes[k] else 0.0)
+            for i in range(n)]
+    replied = list(itertools.accumulate(move))  # after the update, each reply in turn
+    arrived, link = [], 0.0
+    for i in range(n):  # a pusher's next gradient, through the PS's incoming link when it has one
+        start = replied[i] + ahead
+        if linked[i]:
+            start = max(start, link)
+            link = start + move[i]
+        arrived.append(start + move[i])
+    free = replied[-1]
+    for t in sorted(arrived):  # the shard adds each once its replies are out and the gradient is in
+        free = max(free, t) + add
+    return free + sync_update_s(p, s), sum(move) + n * add + sync_update_s(p, s)
 
 
 def _remote_pushers(st: Setup, k: int) -> int:

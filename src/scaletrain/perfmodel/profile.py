@@ -61,8 +61,9 @@ class Profile:
                                "synchronous, once per gradient when asynchronous (CPU work)", lo=1.0, hi=1e15)
     ps_accumulate_rate: float = opt(1e10, "gradient bytes/s a synchronous PS adds into its accumulator, once per "
                                     "gradient (CPU work)", lo=1.0, hi=1e15)
-    ps_overlap: bool = opt(False, "false: one thread per PS receives, works and replies in turn (scaletrain's "
-                           "server); true: messages move while it works (a threaded server, e.g. TensorFlow's)")
+    ps_overlap: bool = opt(False, "false: gradients come in while a PS works, and it sends its replies itself, "
+                           "in turn (scaletrain's server); true: replies move while it works too (a threaded "
+                           "server, e.g. TensorFlow's)")
     # input pipeline: its own table, as it belongs to the data set's files and the node's CPU at once
     input_rate: float = opt(0.0, "images/s one loader core reads, decodes and augments to image_size "
                             "(0: input not modelled)", lo=0.0, hi=1e7)

@@ -23,10 +23,10 @@ gradients) and uneven replica speeds (stragglers).
   one update (the mean, then the optimizer: costs.sync_update_s) and all
   contributors get the new version; a gradient of an older version is
   dropped and its sender gets the current values (its images are not the
-  job's progress, as a run's images_applied leaves them out). A one-thread shard (ps_overlap false, scaletrain's server)
-  also moves every message itself: it receives a gradient only when it is
-  free, and sends its replies one after another; a threaded one (true) works
-  while the messages move.
+  job's progress, as a run's images_applied leaves them out). Gradients come in
+  while a shard works. scaletrain's shard (ps_overlap false) sends its replies
+  itself, one after another, as part of its busy time; a threaded one (true)
+  works while the replies move too.
 - A pusher copies its gradient into its messages before pushing and the
   values back from the replies after the pull (host_copy_bandwidth; device
   to host on a GPU, a memory copy, holding a core, on a shared host).
@@ -172,18 +172,16 @@ class _Sim:
         """One shard's part of a push-pull: the gradient's slice in, the shard's values back; gives
         the shard's version and whether the gradient was applied (not dropped as too late)."""
         nbytes, ps, reply = self.st.shard_bytes[k], self.st.ps_nodes[k], self.env.event()
-        if not self.p.ps_overlap:  # the shard's one thread moves both messages (shard())
-            self.queues[k].put((version, reply, node))
-            return (yield reply)
-        yield from self.transfer(node, ps, nbytes)
+        yield from self.transfer(node, ps, nbytes)  # received while the shard works
         self.queues[k].put((version, reply, node))
         new = yield reply
-        yield from self.transfer(ps, node, nbytes)
+        if self.p.ps_overlap:  # else the shard sent it itself (shard())
+            yield from self.transfer(ps, node, nbytes)
         return new
 
     def shard(self, k: int):
-        """Messages in arrival order. A one-thread shard (not ps_overlap) receives each gradient,
-        works, and sends each reply itself, so its transfers count as its busy time."""
+        """Gradients in arrival order. scaletrain's shard (not ps_overlap) sends each reply itself,
+        so its replies count as its busy time."""
         st, p, env = self.st, self.p, self.env
         nbytes, ps, serial = st.shard_bytes[k], st.ps_nodes[k], not p.ps_overlap
         pending: list = []
@@ -201,8 +199,6 @@ class _Sim:
 
         while True:
             version, reply, node = yield self.queues[k].get()
-            if serial:
-                yield from busy(self.transfer(node, ps, nbytes))
             self.sent += 1
             if not st.sync:
                 yield from busy(self.work(nbytes / p.ps_apply_rate))
