@@ -43,6 +43,7 @@ exceed sync's by more than two standard errors), and what asynchrony buys on the
 (mixed-async / sync images/s per node count).
 
     python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --capacity-gbps C --headroom 1]
+    python benchmarks/twin.py --predict-again benchmarks/results/twin-....json [--save]
 
 --quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes 20-40 minutes
 on two cores. Progress on stderr, one JSON on stdout; --save also writes it to
@@ -355,7 +356,12 @@ def main() -> None:
                     help="what this machine carries, Gbit/s (0 = measure it with scaletrain twin test)")
     ap.add_argument("--headroom", type=float, default=1.0, help="fraction of the twin test's rate a row may load")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/results/twin-TIME-COMMIT.json")
+    ap.add_argument("--predict-again", metavar="RESULTS_JSON", type=Path,
+                    help="no run: the rows of a saved run predicted again by this commit's model (the measured "
+                         "figures, and the commit that measured them, kept)")
     a = ap.parse_args()
+    if a.predict_again:
+        return predict_again(a.predict_again, a.save)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     a.steps = a.steps if a.steps is not None else (4 if a.quick else 8)
     if os.geteuid() != 0:
@@ -386,8 +392,32 @@ def main() -> None:
            "warmup": a.warmup, "steps": a.steps, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
            "baselines": baselines, "rows": rows, "findings": findings(rows), "runs_dir": str(runs),
            "seconds": round(time.monotonic() - t0)}
+    emit(out, a.save)
+
+
+def predict_again(saved: Path, save: bool) -> None:
+    """A saved run's rows with this commit's predictions and findings: after a change of the model,
+    its figures against the same measurements, which name the commit that measured them."""
+    import torch
+
+    from scaletrain.metrics import run_info
+
+    try:
+        out = json.loads(saved.read_text())
+        rows = out["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"twin bench: {saved}: not a saved twin run ({e})")
+    measured = {"measured_by": out["command"], "measured_at": out["git_commit"], "measured_in": str(saved)}
+    with tempfile.TemporaryDirectory() as tmp:
+        add_predictions(rows, Path(tmp))
+    out.update(run_info(torch.device("cpu")), **measured, rows=rows, findings=findings(rows),
+               command="python benchmarks/twin.py " + " ".join(sys.argv[1:]))
+    emit(out, save)
+
+
+def emit(out: dict, save: bool) -> None:
     print(json.dumps(out, indent=1))
-    if a.save:
+    if save:
         stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
         path = ROOT / "benchmarks" / "results" / f"twin-{stamp}-{out['git_commit'][:7]}.json"
         path.write_text(json.dumps(out, indent=1) + "\n")

@@ -102,11 +102,11 @@ def test_sync_ps_accumulates_every_gradient_and_applies_once():
     assert res.images_per_sec == pytest.approx(32 / (G / 1e6), rel=0.02)
 
 
-def test_scaletrain_shard_receives_while_it_works_and_replies_in_turn():
+def test_scaletrain_shard_receives_once_free_while_it_works_and_replies_in_turn():
     # N pushers into one dedicated shard, each transfer t = G / 1e6 + latency. The shard replies to
-    # each in turn (at t, 2t, ..., Nt after its update); pusher i computes c after its reply and its
-    # gradient comes in through the PS's link, one after another, while the shard may still be
-    # replying; the shard adds each (a) once its replies are out, then updates (u).
+    # each in turn (at t, 2t, ..., Nt after its update); pusher i computes c after its reply; the
+    # shard asks for its gradient once the replies are out, and the gradients come in through the
+    # PS's link one after another; the shard adds each (a), then updates (u).
     n, t = 3, G / 1e6 + 0.01
     for c in (1.0, 5.0):
         p = replace(TOY, compute_s=c)
@@ -114,7 +114,7 @@ def test_scaletrain_shard_receives_while_it_works_and_replies_in_turn():
         a, u = G / p.ps_accumulate_rate, G / p.ps_accumulate_rate + G / p.ps_apply_rate
         arrived, link = [], 0.0
         for i in range(1, n + 1):
-            link = max((i * t) + c, link) + t
+            link = max(i * t + c, n * t, link) + t
             arrived.append(link)
         free = n * t
         for x in arrived:

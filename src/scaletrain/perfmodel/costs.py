@@ -9,7 +9,8 @@ synchronous PS shard adds each gradient into an accumulator (bytes /
 mean (one more pass at that rate) and the optimizer (bytes /
 `ps_apply_rate`), as TensorFlow's synchronous replicas and scaletrain's
 server both do; an asynchronous one applies every gradient. scaletrain's shard
-receives gradients while it works and sends its replies itself, one after another.
+asks for a gradient once it is free, receives it while it works, and sends its
+replies itself, one after another.
 These formulas assume every replica runs at the same speed; uneven speeds,
 backups and asynchronous shards go to the event simulation (simulate.py).
 On a shared host (profile.shared_cores > 0) every process's work competes
@@ -237,10 +238,11 @@ def sync_update_s(p: Profile, nbytes: float) -> float:
 
 def serial_shard_s(p: Profile, st: Setup, k: int, ahead: float) -> tuple[float, float]:
     """(The round of scaletrain's shard k, its busy seconds in it) with pushers that spend `ahead`
-    seconds between its reply and their next gradient. The gradients come in while the shard works
-    (the communication library's threads receive them), one after another through the PS's link;
-    the shard adds each once it is free, applies, then sends each reply itself, in turn. The pusher
-    answered first computes meanwhile, so its next gradient may be in before the last reply is out."""
+    seconds between its reply and their next gradient. After its update the shard sends each reply
+    itself, in turn; it takes a push's header once it is free, and the gradient then comes in while
+    it works (the communication library's threads receive it), one after another through the PS's
+    link; it adds each once it is in, then applies. The pusher answered first computes meanwhile,
+    so its gradient may be on its way before the last reply is out when its compute is short."""
     s, n = st.shard_bytes[k], st.pushers
     add = s / p.ps_accumulate_rate
     linked = [st.pusher_node(i) != st.ps_nodes[k] and not p.shared_cores for i in range(n)]
@@ -249,14 +251,14 @@ def serial_shard_s(p: Profile, st: Setup, k: int, ahead: float) -> tuple[float, 
             for i in range(n)]
     replied = list(itertools.accumulate(move))  # after the update, each reply in turn
     arrived, link = [], 0.0
-    for i in range(n):  # a pusher's next gradient, through the PS's incoming link when it has one
-        start = replied[i] + ahead
+    for i in range(n):  # asked for once the replies are out, through the PS's incoming link if it has one
+        start = max(replied[i] + ahead, replied[-1])
         if linked[i]:
             start = max(start, link)
             link = start + move[i]
         arrived.append(start + move[i])
     free = replied[-1]
-    for t in sorted(arrived):  # the shard adds each once its replies are out and the gradient is in
+    for t in sorted(arrived):  # the shard adds each once it is in
         free = max(free, t) + add
     return free + sync_update_s(p, s), sum(move) + n * add + sync_update_s(p, s)
 

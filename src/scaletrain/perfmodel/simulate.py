@@ -23,10 +23,11 @@ gradients) and uneven replica speeds (stragglers).
   one update (the mean, then the optimizer: costs.sync_update_s) and all
   contributors get the new version; a gradient of an older version is
   dropped and its sender gets the current values (its images are not the
-  job's progress, as a run's images_applied leaves them out). Gradients come in
-  while a shard works. scaletrain's shard (ps_overlap false) sends its replies
-  itself, one after another, as part of its busy time; a threaded one (true)
-  works while the replies move too.
+  job's progress, as a run's images_applied leaves them out). scaletrain's
+  shard (ps_overlap false) takes a push's header when it is free, receives
+  the gradient while it works, and sends its replies itself, one after
+  another, as part of its busy time; a threaded one (true) works while every
+  message moves.
 - A pusher copies its gradient into its messages before pushing and the
   values back from the replies after the pull (host_copy_bandwidth; device
   to host on a GPU, a memory copy, holding a core, on a shared host).
@@ -172,16 +173,24 @@ class _Sim:
         """One shard's part of a push-pull: the gradient's slice in, the shard's values back; gives
         the shard's version and whether the gradient was applied (not dropped as too late)."""
         nbytes, ps, reply = self.st.shard_bytes[k], self.st.ps_nodes[k], self.env.event()
-        yield from self.transfer(node, ps, nbytes)  # received while the shard works
-        self.queues[k].put((version, reply, node))
+        if not self.p.ps_overlap:  # the shard asks for the gradient when it is free and sends the reply itself
+            self.queues[k].put(("header", version, reply, node))
+            return (yield reply)
+        yield from self.transfer(node, ps, nbytes)
+        self.queues[k].put(("in", version, reply, node))
         new = yield reply
-        if self.p.ps_overlap:  # else the shard sent it itself (shard())
-            yield from self.transfer(ps, node, nbytes)
+        yield from self.transfer(ps, node, nbytes)
         return new
 
+    def receive(self, k: int, version: int, reply, node: int):
+        """A gradient scaletrain's shard asked for: it comes in while the shard works."""
+        yield from self.transfer(node, self.st.ps_nodes[k], self.st.shard_bytes[k])
+        self.queues[k].put(("in", version, reply, node))
+
     def shard(self, k: int):
-        """Gradients in arrival order. scaletrain's shard (not ps_overlap) sends each reply itself,
-        so its replies count as its busy time."""
+        """Messages in arrival order. scaletrain's shard (not ps_overlap) takes a push's header when
+        it is free, then receives its gradient while it works, and sends each reply itself, so its
+        replies count as its busy time."""
         st, p, env = self.st, self.p, self.env
         nbytes, ps, serial = st.shard_bytes[k], st.ps_nodes[k], not p.ps_overlap
         pending: list = []
@@ -198,7 +207,10 @@ class _Sim:
                 reply.succeed((self.version[k], applied))
 
         while True:
-            version, reply, node = yield self.queues[k].get()
+            kind, version, reply, node = yield self.queues[k].get()
+            if kind == "header":
+                env.process(self.receive(k, version, reply, node))
+                continue
             self.sent += 1
             if not st.sync:
                 yield from busy(self.work(nbytes / p.ps_apply_rate))
