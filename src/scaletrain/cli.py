@@ -165,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--steps", type=int, default=30, help="measured training steps (default 30)")
     ca.add_argument("--runs", type=int, default=3, help="rounds, each measuring every figure once; the profile "
                     "holds the medians (default 3)")
+    ca.add_argument("--no-input", action="store_true", help="skip the input rate (images/s a loader core reads, "
+                    "decodes and augments from the recipe's data.root; measured by default where that holds "
+                    "image files): input_rate stays 0 and predictions leave loading out")
     return p
 
 
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return report.main(args)
     if args.command == "calibrate":
-        return commands.calibrate_command(args.recipe, args.overrides, args.out, args.steps, args.runs)
+        return commands.calibrate_command(args.recipe, args.overrides, args.out, args.steps, args.runs,
+                                          args.no_input)
     if args.command == "predict":
         return _predict(args)
     try:

@@ -1,7 +1,10 @@
 """`scaletrain calibrate`: measure a profile on this machine, with real processes.
 
 - compute: a real single-replica training run of the recipe (one thread, no
-  evaluation), its optimizer step measured apart and subtracted;
+  evaluation), its optimizer step measured apart and subtracted (and, where
+  the training process loads its own batches, the input);
+- input: where the recipe reads image files that are here, the images/s one
+  loader core delivers from them (input_measure); else input_rate stays 0;
 - optimizer: the recipe's optimizer stepping over a flat gradient of the
   model's size, one thread: the per-replica step and a PS's apply rate;
 - accumulate: one gradient added into a sum, one thread: a synchronous PS's
@@ -60,6 +63,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import Config
+from ..data.augment import ON_DEVICE, Augment
+from ..data.build import build_datasets
+from ..data.loader import Samples, ShardedBatches, collate
 from ..errors import ProfileError
 from ..launch.local import free_port
 from ..metrics import pinned, sync
@@ -234,6 +240,91 @@ def measure_copy(numel: int, device: torch.device) -> float:
     return _timed(copy, 10)
 
 
+# --- input: one loader core on the recipe's own files ---------------------------------------------
+# The data sources read from files, and how calibrate names them.
+FILE_SOURCES = {"imagefolder": "image folder", "manifest": "manifest", "shards": "packed shards"}
+# Images timed a round, after a warm-up. 64 span files of different sizes (a decode costs per byte)
+# and take a fraction of a second at the hundreds of img/s a core decodes at 224 px: little next to
+# a round's training jobs, and each round times them again. The warm-up's 8 pay for what a first
+# call does once (the decoder's set-up, the allocator's first pages). Fewer training images: all.
+INPUT_IMAGES, INPUT_WARMUP = 64, 8
+
+
+def input_unmeasured(cfg: Config) -> str | None:
+    """Why the input rate of cfg's data cannot be measured here, in words; None when it can."""
+    d = cfg.data
+    if d.name not in FILE_SOURCES:
+        return f"data.name = {d.name!r} is not read from image files (imagefolder, manifest and shards are)"
+    if not d.root:
+        return "data.root is not set"
+    if not Path(d.root).exists():
+        return f"data.root {d.root} does not exist on this machine"
+    return None
+
+
+def input_text(cfg: Config) -> str:
+    """'/data/anp (image folder, 224 px, resized-crop + flip)': what the input figure is of. The
+    augmentations that run on the device are not a loader core's work, nor, with data.decode =
+    device, is the decode."""
+    d = cfg.data
+    loader = [a for a in d.augment if a not in ON_DEVICE]
+    device = [a for a in d.augment if a in ON_DEVICE]
+    parts = [FILE_SOURCES[d.name], f"{d.image_size} px", " + ".join(loader) or "no augmentation"]
+    if device:
+        parts.append(f"{' + '.join(device)} on the device, not timed")
+    if d.decode == "device":
+        parts.append("decoded on the device: the loader reads the files")
+    return f"{d.root} ({', '.join(parts)})"
+
+
+def input_measure(cfg: Config, images: int = INPUT_IMAGES, warmup: int = INPUT_WARMUP):
+    """A measure (rounds) of the images/s one loader core delivers from cfg's training set: one
+    process, one torch thread, no loader processes, calling what a loader process calls (the
+    recipe's loader.Samples: its augmentations, image_size and decode; then collate, in batches of
+    data.batch_size) on `images` of epoch 1's order, after `warmup` of epoch 0's (different draws,
+    as the next epoch's). The training set is listed once, not once a round: a manifest or folder
+    of a million files takes seconds to list. Before the clock starts the timed files are read
+    once, so that every round times the CPU's work on files in the page cache: the disk's rate is
+    not in the figure. Raises ProfileError naming why the data cannot be measured here."""
+    why = input_unmeasured(cfg)
+    if why:
+        raise ProfileError(f"calibrate: no input rate: {why}")
+    d, seed = cfg.data, cfg.train.seed
+    train = build_datasets(cfg, check=False)[0]  # a manifest's files are found or not as they are read
+    samples = Samples(train, d.image_size, Augment(d.augment, seed) if d.augment else None,
+                      encoded=d.decode == "device")
+    n, order = len(train), getattr(train, "epoch_order", None)
+
+    def keys(epoch: int, count: int) -> list[tuple[int, int]]:  # the epoch's first images, as one replica reads them
+        return [k for b in ShardedBatches(n, 1, seed=seed, start=epoch * n, stop=epoch * n + min(count, n),
+                                          order=order) for k in b]
+    warm, timed = keys(0, warmup), keys(1, images)
+
+    def measure() -> dict[str, float]:
+        torch.set_num_threads(1)  # one loader core: a loader process runs one thread (loader._loader_setup)
+        deliver(samples, warm, d.batch_size, d.on_bad_image)
+        for i, _ in timed:
+            train[i]  # into the page cache
+        t0 = time.perf_counter()
+        good = deliver(samples, timed, d.batch_size, d.on_bad_image)
+        return {"images_per_s": good / (time.perf_counter() - t0), "images": len(timed)}
+    return measure
+
+
+def deliver(samples: Samples, keys: list, batch: int, on_bad: str) -> int:
+    """The images a loader process delivers for `keys`, in batches: Samples per key, then collate.
+    A bad image stops the calibration where it would stop training (data.on_bad_image = error)."""
+    good = 0
+    for lo in range(0, len(keys), batch):
+        b = collate([samples[k] for k in keys[lo:lo + batch]])
+        if b.bad and on_bad == "error":
+            raise ProfileError(f"calibrate: input: {b.bad[0].path}: {b.bad[0].reason}")
+        good += len(b.y)
+    if not good:
+        raise ProfileError(f"calibrate: input: none of {len(keys)} images could be read")
+    return good
+
+
 # --- flags: a calibration that cannot be true ----------------------------------------------------
 # Each flag is one line naming the figure, its value and the bound; a flagged profile is kept (its
 # figures say what went wrong) but `predict --recommend` refuses it without --force.
@@ -319,10 +410,13 @@ def busy_flags(before: Machine, after: Machine, cores: int, load_bound: float = 
     return out
 
 
-def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print) -> tuple[Profile, dict]:
+def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print,
+              measure_input: bool = True) -> tuple[Profile, dict]:
     """Every figure is measured in `runs` rounds (jobs and process pairs started afresh each
     time, every figure once a round); the profile holds what derive() makes of their medians,
-    and its [about] table the medians themselves ("measured") and each figure's spread."""
+    and its [about] table the medians themselves ("measured") and each figure's spread. The input
+    rate is one of them where the recipe's images are files here (input_measure) and
+    `measure_input`; else it stays 0, and a line says why."""
     numel = sum(param_numels(cfg.model))
     gpu = pick_device(cfg).type == "cuda"
     emulated = cfg.train.emulate_compute_s > 0
@@ -352,6 +446,12 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         **({} if n == 2 and backend == "gloo" else {"allreduce": lambda: measure_comm(n, big, backend)}),
         **({} if gpu else {"job2": lambda: job(cfg, 2), "ps_job": lambda: job(cfg, 1, **PS_JOB)}),
     }
+    why = input_unmeasured(cfg) if measure_input else "not asked for (--no-input)"
+    if why:
+        how = "; calibrate a recipe whose data.root holds its images to model the loaders" if measure_input else ""
+        say(f"  input: not measured, input_rate stays 0: {why}{how}")
+    else:
+        measures["input"] = input_measure(cfg)
     before = machine_now()
     m, spreads = rounds(measures, runs, say)
     after = machine_now()
@@ -361,7 +461,8 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     prof, about = derive(cfg, m, host, say)
     about.update(source=f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
                  torch=torch.__version__, runs=runs, host=host,
-                 measured={f"{name}.{k}": v for name, figs in m.items() for k, v in figs.items()}, spread=spreads)
+                 measured={f"{name}.{k}": v for name, figs in m.items() for k, v in figs.items()}, spread=spreads,
+                 input=f"not measured: {why}" if why else input_text(cfg))
     flags += load_flags(about) + busy_flags(before, after, cores)
     for flag in flags:
         say(f"  flag: {flag}")
@@ -382,14 +483,22 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
     say(f"  optimizer step: {opt_s * 1e3:.2f} ms ({nbytes / opt_s / 1e9:.2f} GB/s of gradient); "
         f"accumulate: {cpu['accumulate_s'] * 1e3:.2f} ms ({nbytes / cpu['accumulate_s'] / 1e9:.2f} GB/s); "
         f"copy to the host: {cpu['copy_s'] * 1e3:.2f} ms")
+    rate = m.get("input", {}).get("images_per_s", 0.0)
+    if rate:
+        say(f"  input: {rate:.0f} img/s a loader core on {input_text(cfg)}")
+
+    def own(batch: int) -> float:
+        """Seconds a job's training process spent loading its batch: with data.workers = 0 it loads
+        in series with compute, and that time is the input's (predict adds it back), not compute's."""
+        return batch / rate if rate and not cfg.data.workers else 0.0
     step_s = m["job1"]["step_s"]
-    compute_s = max(step_s - (0.0 if gpu else opt_s), 1e-6)
+    compute_s = max(step_s - (0.0 if gpu else opt_s) - own(cfg.data.batch_size), 1e-6)
     say(f"  training step of one replica ({device}): {step_s * 1e3:.2f} ms")
     compute_base = 0.0
     if not emulated:
         other_s = m["job1_other_batch"]["step_s"]
         compute_base, _ = batch_line(cfg.data.batch_size, compute_s, b_other,
-                                     max(other_s - (0.0 if gpu else opt_s), 1e-6))
+                                     max(other_s - (0.0 if gpu else opt_s) - own(b_other), 1e-6))
         say(f"  at batch {b_other}: {other_s * 1e3:.2f} ms; {compute_base * 1e3:.2f} ms of compute do not "
             f"grow with the batch")
     p2p = m["p2p"]
@@ -409,7 +518,8 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
         # waiting for the peer, which holds none (others compute meanwhile).
         job_s = m["job2"]["step_s"]
         ring = ring_allreduce_s(2, nbytes, ibw, ilat)
-        load = max(1.0, (job_s - compute_s - opt_s - (ring - nbytes / ibw)) / (nbytes / ibw))
+        load = max(1.0, (job_s - compute_s - own(cfg.data.batch_size) - opt_s - (ring - nbytes / ibw))
+                   / (nbytes / ibw))
         say(f"  2-replica job: {job_s * 1e3:.2f} ms a step; the all-reduce's bytes {load:.2f} x as slow as "
             "in the microbenchmark")
         ibw = ibw / load
@@ -424,7 +534,8 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
                    optimizer_s=0.0 if gpu else opt_s, host_copy_bandwidth=nbytes / cpu["copy_s"],
                    intra_bandwidth=ibw, intra_latency=ilat, net_bandwidth=bw, net_latency=lat,
                    local_bandwidth=bw, ps_apply_rate=nbytes / opt_s, ps_accumulate_rate=nbytes / cpu["accumulate_s"],
-                   ps_overlap=False, shared_cores=0 if gpu else cores, compute_on_cores=not (gpu or emulated))
+                   ps_overlap=False, input_rate=rate, shared_cores=0 if gpu else cores,
+                   compute_on_cores=not (gpu or emulated))
     if not gpu:
         ps_s = m["ps_job"]["step_s"]
         f = fit_transfer_load(prof, cfg, ps_s)

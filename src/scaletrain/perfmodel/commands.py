@@ -30,8 +30,10 @@ def fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def calibrate_command(recipe: str | None, overrides: list[str], out: Path, steps: int = 30, runs: int = 3) -> int:
-    """`scaletrain calibrate`: measure a profile of this machine for the recipe into OUT."""
+def calibrate_command(recipe: str | None, overrides: list[str], out: Path, steps: int = 30, runs: int = 3,
+                      no_input: bool = False) -> int:
+    """`scaletrain calibrate`: measure a profile of this machine for the recipe into OUT; with
+    `no_input`, without the input rate (it stays 0)."""
     try:
         cfg = load_config(recipe, overrides)
         check_network(cfg)  # before the first figure: a network that cannot be built measures nothing
@@ -41,7 +43,7 @@ def calibrate_command(recipe: str | None, overrides: list[str], out: Path, steps
     try:
         if runs < 1 or steps < 1:
             return fail(f"--runs {runs} / --steps {steps}: must be >= 1")
-        prof, about = calibrate(cfg, steps=steps, runs=runs)
+        prof, about = calibrate(cfg, steps=steps, runs=runs, measure_input=not no_input)
     except (PlanError, LaunchError, *USER_ERRORS) as e:  # a calibration job that could not run
         return fail(str(e), 1)
     out.parent.mkdir(parents=True, exist_ok=True)
