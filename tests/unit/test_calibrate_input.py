@@ -10,6 +10,7 @@ from scaletrain import cli
 from scaletrain.config import build_config, load_config
 from scaletrain.errors import ProfileError
 from scaletrain.perfmodel import calibrate as cal
+from scaletrain.perfmodel import input_rate as inp
 from scaletrain.perfmodel.profile import Profile, load_profile
 
 from conftest import RECIPES
@@ -46,7 +47,7 @@ def test_input_rate_of_an_image_folder_times_the_recipes_loader_work(tmp_path, m
     calls, with the recipe's augmentations and image size; all the training images when fewer."""
     made = []
 
-    class Spied(cal.Samples):
+    class Spied(inp.Samples):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.calls = 0
@@ -56,14 +57,14 @@ def test_input_rate_of_an_image_folder_times_the_recipes_loader_work(tmp_path, m
             self.calls += 1
             return super().__getitem__(key)
 
-    monkeypatch.setattr(cal, "Samples", Spied)
+    monkeypatch.setattr(inp, "Samples", Spied)
     cfg = folder_cfg(jpeg_folder(tmp_path / "anp"))
-    out = cal.input_measure(cfg, images=5, warmup=2)()
+    out = inp.input_measure(cfg, images=5, warmup=2)()
     assert out["images"] == 5 and out["images_per_s"] > 0
     (s,) = made
     assert s.size == 16 and s.augment.names == {"resized-crop", "flip"} and s.calls == 2 + 5
-    assert cal.input_measure(cfg)()["images"] == 9  # 12 images, 3 held out: fewer than 64, all of them
-    assert cal.input_text(cfg) == f"{tmp_path / 'anp'} (image folder, 16 px, resized-crop + flip)"
+    assert inp.input_measure(cfg)()["images"] == 9  # 12 images, 3 held out: fewer than 64, all of them
+    assert inp.input_text(cfg) == f"{tmp_path / 'anp'} (image folder, 16 px, resized-crop + flip)"
 
 
 def test_input_rate_of_packed_shards(tmp_path):
@@ -71,21 +72,21 @@ def test_input_rate_of_packed_shards(tmp_path):
 
     pack(folder_cfg(jpeg_folder(tmp_path / "anp")), tmp_path / "shards", 4096, progress=False)
     cfg = folder_cfg(tmp_path / "shards", name="shards")
-    out = cal.input_measure(cfg, images=4, warmup=2)()
+    out = inp.input_measure(cfg, images=4, warmup=2)()
     assert out["images"] == 4 and out["images_per_s"] > 0
-    assert cal.input_text(cfg) == f"{tmp_path / 'shards'} (packed shards, 16 px, resized-crop + flip)"
+    assert inp.input_text(cfg) == f"{tmp_path / 'shards'} (packed shards, 16 px, resized-crop + flip)"
 
 
 def test_no_input_rate_without_image_files_here(tmp_path):
     digits = load_config(RECIPES / "digits.toml")
-    why = cal.input_unmeasured(digits)
+    why = inp.input_unmeasured(digits)
     assert "'digits'" in why and "not read from image files" in why
     with pytest.raises(ProfileError, match="no input rate: data.name = 'digits'"):
-        cal.input_measure(digits)
+        inp.input_measure(digits)
     absent = folder_cfg(tmp_path / "absent")
-    assert cal.input_unmeasured(absent) == f"data.root {tmp_path / 'absent'} does not exist on this machine"
+    assert inp.input_unmeasured(absent) == f"data.root {tmp_path / 'absent'} does not exist on this machine"
     with pytest.raises(ProfileError, match="does not exist"):
-        cal.input_measure(absent)
+        inp.input_measure(absent)
 
 
 def test_derive_writes_the_input_figure_to_input_rate():

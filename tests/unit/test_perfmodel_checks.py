@@ -8,10 +8,9 @@ from dataclasses import replace
 from conftest import ROOT
 
 from scaletrain.cli import main
-from scaletrain.perfmodel.calibrate import (LOAD_BOUND, SPREAD_BOUND, Machine, busy_flags, load_flags,
-                                            spread_flags)
 from scaletrain.perfmodel.predict import human_time, signed_time
 from scaletrain.perfmodel.profile import Profile, dump_profile
+from scaletrain.perfmodel.trust import LOAD_BOUND, SPREAD_BOUND, Machine, busy_flags, load_flags, spread_flags
 from scaletrain.perfmodel.recommend import falling_speedups, progress_note
 from scaletrain.perfmodel.rounds import rounds
 

@@ -54,7 +54,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -63,9 +63,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import Config
-from ..data.augment import ON_DEVICE, Augment
-from ..data.build import build_datasets
-from ..data.loader import Samples, ShardedBatches, collate
 from ..errors import ProfileError
 from ..launch.local import free_port
 from ..metrics import pinned, sync
@@ -73,10 +70,12 @@ from ..optim import build_optimizer
 from ..run import run_training
 from ..job import pick_device
 from .costs import ring_allreduce_s
+from .input_rate import input_measure, input_text, input_unmeasured
 from .predict import predict
 from .profile import Profile, load_profile
 from .rounds import rounds
 from .setup import param_numels
+from .trust import busy_flags, load_flags, machine_now, spread_flags
 
 SMALL = 1  # elements of the latency message (4 bytes)
 # Elements of the bandwidth message, at least: a small gradient's transfer takes about as long
@@ -238,176 +237,6 @@ def measure_copy(numel: int, device: torch.device) -> float:
         dst.copy_(src, non_blocking=dst.is_pinned())
         sync(device)  # host-device sync: the copy is whole when the clock stops, as the push waits for it
     return _timed(copy, 10)
-
-
-# --- input: one loader core on the recipe's own files ---------------------------------------------
-# The data sources read from files, and how calibrate names them.
-FILE_SOURCES = {"imagefolder": "image folder", "manifest": "manifest", "shards": "packed shards"}
-# Images timed a round, after a warm-up. 64 span files of different sizes (a decode costs per byte)
-# and take a fraction of a second at the hundreds of img/s a core decodes at 224 px: little next to
-# a round's training jobs, and each round times them again. The warm-up's 8 pay for what a first
-# call does once (the decoder's set-up, the allocator's first pages). Fewer training images: all.
-INPUT_IMAGES, INPUT_WARMUP = 64, 8
-
-
-def input_unmeasured(cfg: Config) -> str | None:
-    """Why the input rate of cfg's data cannot be measured here, in words; None when it can."""
-    d = cfg.data
-    if d.name not in FILE_SOURCES:
-        return f"data.name = {d.name!r} is not read from image files (imagefolder, manifest and shards are)"
-    if not d.root:
-        return "data.root is not set"
-    if not Path(d.root).exists():
-        return f"data.root {d.root} does not exist on this machine"
-    return None
-
-
-def input_text(cfg: Config) -> str:
-    """'/data/anp (image folder, 224 px, resized-crop + flip)': what the input figure is of. The
-    augmentations that run on the device are not a loader core's work, nor, with data.decode =
-    device, is the decode."""
-    d = cfg.data
-    loader = [a for a in d.augment if a not in ON_DEVICE]
-    device = [a for a in d.augment if a in ON_DEVICE]
-    parts = [FILE_SOURCES[d.name], f"{d.image_size} px", " + ".join(loader) or "no augmentation"]
-    if device:
-        parts.append(f"{' + '.join(device)} on the device, not timed")
-    if d.decode == "device":
-        parts.append("decoded on the device: the loader reads the files")
-    return f"{d.root} ({', '.join(parts)})"
-
-
-def input_measure(cfg: Config, images: int = INPUT_IMAGES, warmup: int = INPUT_WARMUP):
-    """A measure (rounds) of the images/s one loader core delivers from cfg's training set: one
-    process, one torch thread, no loader processes, calling what a loader process calls (the
-    recipe's loader.Samples: its augmentations, image_size and decode; then collate, in batches of
-    data.batch_size) on `images` of epoch 1's order, after `warmup` of epoch 0's (different draws,
-    as the next epoch's). The training set is listed once, not once a round: a manifest or folder
-    of a million files takes seconds to list. Before the clock starts the timed files are read
-    once, so that every round times the CPU's work on files in the page cache: the disk's rate is
-    not in the figure. Raises ProfileError naming why the data cannot be measured here."""
-    why = input_unmeasured(cfg)
-    if why:
-        raise ProfileError(f"calibrate: no input rate: {why}")
-    d, seed = cfg.data, cfg.train.seed
-    train = build_datasets(cfg, check=False)[0]  # a manifest's files are found or not as they are read
-    samples = Samples(train, d.image_size, Augment(d.augment, seed) if d.augment else None,
-                      encoded=d.decode == "device")
-    n, order = len(train), getattr(train, "epoch_order", None)
-
-    def keys(epoch: int, count: int) -> list[tuple[int, int]]:  # the epoch's first images, as one replica reads them
-        return [k for b in ShardedBatches(n, 1, seed=seed, start=epoch * n, stop=epoch * n + min(count, n),
-                                          order=order) for k in b]
-    warm, timed = keys(0, warmup), keys(1, images)
-
-    def measure() -> dict[str, float]:
-        torch.set_num_threads(1)  # one loader core: a loader process runs one thread (loader._loader_setup)
-        deliver(samples, warm, d.batch_size, d.on_bad_image)
-        for i, _ in timed:
-            train[i]  # into the page cache
-        t0 = time.perf_counter()
-        good = deliver(samples, timed, d.batch_size, d.on_bad_image)
-        return {"images_per_s": good / (time.perf_counter() - t0), "images": len(timed)}
-    return measure
-
-
-def deliver(samples: Samples, keys: list, batch: int, on_bad: str) -> int:
-    """The images a loader process delivers for `keys`, in batches: Samples per key, then collate.
-    A bad image stops the calibration where it would stop training (data.on_bad_image = error)."""
-    good = 0
-    for lo in range(0, len(keys), batch):
-        b = collate([samples[k] for k in keys[lo:lo + batch]])
-        if b.bad and on_bad == "error":
-            raise ProfileError(f"calibrate: input: {b.bad[0].path}: {b.bad[0].reason}")
-        good += len(b.y)
-    if not good:
-        raise ProfileError(f"calibrate: input: none of {len(keys)} images could be read")
-    return good
-
-
-# --- flags: a calibration that cannot be true ----------------------------------------------------
-# Each flag is one line naming the figure, its value and the bound; a flagged profile is kept (its
-# figures say what went wrong) but `predict --recommend` refuses it without --force.
-
-# (max - min) / median of a figure over the rounds. On this 2-core host a calibration beside little
-# else moved the 1-replica step by 28% between rounds; one while other processes took 63% of the
-# cores' time moved it by 78%, and the 4-byte latency by 148%. A figure that moved by half its
-# median was measured through another process's spell, and its median decides little.
-SPREAD_BOUND = 0.5
-# A job's load factor: how much slower a job moves its bytes than the microbenchmark did. Beside
-# little else on this host the all-reduce's came out 2.9 to 6.2 and the transfers' 4.5 (a job's other
-# copies hold the cores loopback needs); with others taking 63% of the cores, 80 and 112. Ten times
-# is not a cost of the job but of something else holding the cores while it ran.
-LOAD_BOUND = 10.0
-# The 1-minute load average against the cores before and after, less the calibration's own use of
-# the cores: more than half of them already runnable means the figures were measured on a share.
-BUSY_LOAD = 0.5
-# Other processes' share of all the cores' time while the calibration ran (from /proc/stat, less
-# this process's and its children's CPU time). On a quiet host, the system's few percent; a quarter
-# is half a core of two, taken from jobs that size a core per replica.
-OTHERS_BOUND = 0.25
-
-
-def spread_flags(spreads: dict[str, float], bound: float = SPREAD_BOUND) -> list[str]:
-    """A flag for each figure (NAME.FIGURE) whose spread over the rounds passes `bound`."""
-    return [f"{name} varied by {x:.2f} of its median between rounds (bound {bound:g})"
-            for name, x in spreads.items() if x > bound]
-
-
-def load_flags(about: dict[str, Any], bound: float = LOAD_BOUND) -> list[str]:
-    """A flag for each job's load factor ([about]'s allreduce_load, transfer_load) above `bound`."""
-    what = {"allreduce_load": "the 2-replica job's all-reduce", "transfer_load": "the PS job's transfers"}
-    return [f"{what[k]} {about[k]:.1f} x as slow as in the microbenchmark ({k}; bound {bound:g} x)"
-            for k in what if about.get(k, 0.0) > bound]
-
-
-@dataclass(frozen=True)
-class Machine:
-    """The host's load at one moment, as calibrate sees it before and after its rounds."""
-
-    at: float         # time.monotonic() seconds
-    load: float       # 1-minute load average (os.getloadavg)
-    busy_s: float     # CPU seconds every process on the host has used since boot (/proc/stat; 0: none)
-    total_s: float    # CPU seconds of all the host's CPUs, busy or idle, since boot (/proc/stat)
-    own_s: float      # CPU seconds of this process and the children it has waited for (os.times)
-
-
-def machine_now() -> Machine:
-    """The host's load now. /proc/stat's first line counts every CPU's time in clock ticks by kind;
-    idle and iowait are the idle ones. Without /proc (not Linux) only the load average is known."""
-    t = os.times()
-    busy = total = 0.0
-    try:
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        hz = os.sysconf("SC_CLK_TCK")
-        total, busy = sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz
-    except (OSError, ValueError, IndexError):
-        pass
-    return Machine(at=time.monotonic(), load=os.getloadavg()[0], busy_s=busy, total_s=total,
-                   own_s=t.user + t.system + t.children_user + t.children_system)
-
-
-def busy_flags(before: Machine, after: Machine, cores: int, load_bound: float = BUSY_LOAD,
-               others_bound: float = OTHERS_BOUND) -> list[str]:
-    """Flags for a host that others kept busy: its load average before, and after less the
-    calibration's own mean use of the cores (a 1-minute average still holds the calibration's own
-    jobs), above `load_bound` of the cores; other processes' share of the cores' time meanwhile
-    above `others_bound`. The processes of a job are forks the calibration waits for, so their CPU
-    time is its own."""
-    out, limit = [], load_bound * cores
-    own_cores = (after.own_s - before.own_s) / max(after.at - before.at, 1e-9)
-    if before.load > limit:
-        out.append(f"load average {before.load:.2f} before calibrating, on {cores} cores (bound {limit:.1f})")
-    if after.load - own_cores > limit:
-        out.append(f"load average {after.load:.2f} after calibrating, {after.load - own_cores:.2f} beyond its own "
-                   f"{own_cores:.2f} cores, on {cores} cores (bound {limit:.1f})")
-    elapsed = after.total_s - before.total_s
-    if elapsed > 0:
-        others = max(0.0, after.busy_s - before.busy_s - (after.own_s - before.own_s)) / elapsed
-        if others > others_bound:
-            out.append(f"other processes took {others:.0%} of the cores' time while calibrating "
-                       f"(bound {others_bound:.0%})")
-    return out
 
 
 def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=print,

@@ -77,8 +77,8 @@ def intra_broadcast_s(p: Profile, st: Setup) -> float:
 def shared_floor(p: Profile, cpu_s: float) -> float:
     """On a shared host a step lasts at least the CPU work of all its processes over the cores."""
     # Background loaders are left out of cpu_s: on a shared host they take cores from compute, so
-    # the step comes out short while they are busy, but their CPU per image there is not measured
-    # (calibrate writes input_rate 0). Loading done by the training process counts, in compute_s.
+    # the step comes out short while they are busy (not modelled yet, though calibrate measures
+    # input_rate for recipes read from files). Loading done by the training process counts, in compute_s.
     return cpu_s / p.shared_cores if p.shared_cores else 0.0
 
 
