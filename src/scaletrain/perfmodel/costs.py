@@ -84,8 +84,11 @@ def shared_floor(p: Profile, cpu_s: float) -> float:
 
 def input_s(p: Profile, st: Setup) -> float:
     """Seconds of input (read, decode, augment) per step of one replica: its batch over its
-    loader cores at once, or over the training process's own core when it has none."""
-    return p.batch_per_replica / (p.input_rate * max(1, st.loaders)) if p.input_rate else 0.0
+    loader cores at once, or over the training process's own core when it has none; and at least
+    the job's images of a step over what the shared file system delivers to all its nodes."""
+    decode = p.batch_per_replica / (p.input_rate * max(1, st.loaders)) if p.input_rate else 0.0
+    read = p.batch_per_replica * st.nodes * st.replicas / p.read_rate if p.read_rate else 0.0
+    return max(decode, read)
 
 
 def loader_floor(p: Profile, st: Setup) -> float:

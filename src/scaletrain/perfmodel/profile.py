@@ -67,6 +67,9 @@ class Profile:
     # input pipeline: its own table, as it belongs to the data set's files and the node's CPU at once
     input_rate: float = opt(0.0, "images/s one loader core reads, decodes and augments to image_size "
                             "(0: input not modelled)", lo=0.0, hi=1e7)
+    read_rate: float = opt(0.0, "images/s the file system the data set is on delivers to all of a job's nodes "
+                           "together (a shared parallel file system's read bandwidth over the mean file size; "
+                           "0: not a limit)", lo=0.0, hi=1e9)
     # host
     shared_cores: int = opt(0, "0: nodes are separate machines; C: every process of every node shares the "
                             "C CPU cores of one host (the local launcher)", lo=0, hi=100_000)
@@ -83,20 +86,7 @@ def load_profile(path: str | Path) -> tuple[Profile, dict]:
     path = Path(path)
     data = read_toml(path, "profile", ProfileError)
     about = data.pop("about", {})
-    known, types = {f.name: f for f in fields(Profile)}, get_type_hints(Profile)
-    values = {}
-    for section, table in data.items():
-        if section not in SECTIONS or not isinstance(table, dict):
-            raise ProfileError(f"profile {path}: unknown section [{section}]; sections are about, "
-                               f"{', '.join(SECTIONS)}")
-        for k, v in table.items():
-            if k not in SECTIONS[section]:
-                raise ProfileError(f"profile {path}: unknown key {section}.{k}; [{section}] keys are "
-                                   f"{', '.join(SECTIONS[section])}")
-            try:
-                values[k] = check_value(f"{section}.{k}", v, known[k], types[k])
-            except ValueError as e:
-                raise ProfileError(f"profile {path}: {e}") from None
+    values = read_sections(path, "profile", data, Profile, SECTIONS)
     missing = [k for k in ("model", "gradient_bytes", "compute_s") if k not in values]
     if missing:
         raise ProfileError(f"profile {path}: missing {', '.join(missing)}")
@@ -107,6 +97,26 @@ def load_profile(path: str | Path) -> tuple[Profile, dict]:
     if not fits(prof, prof.batch_per_replica):
         raise ProfileError(f"profile {path}: {memory_text(prof, prof.batch_per_replica)}")
     return prof, about
+
+
+def read_sections(path: Path, what: str, data: dict, cls: type, sections: dict[str, tuple[str, ...]]) -> dict:
+    """The fields of dataclass `cls` that the TOML tables in `data` give, each checked (name, type,
+    range) against its opt(); ProfileError naming the file and the key of anything wrong."""
+    known, types = {f.name: f for f in fields(cls)}, get_type_hints(cls)
+    values = {}
+    for section, table in data.items():
+        if section not in sections or not isinstance(table, dict):
+            raise ProfileError(f"{what} {path}: unknown section [{section}]; sections are about, "
+                               f"{', '.join(sections)}")
+        for k, v in table.items():
+            if k not in sections[section]:
+                raise ProfileError(f"{what} {path}: unknown key {section}.{k}; [{section}] keys are "
+                                   f"{', '.join(sections[section])}")
+            try:
+                values[k] = check_value(f"{section}.{k}", v, known[k], types[k])
+            except ValueError as e:
+                raise ProfileError(f"{what} {path}: {e}") from None
+    return values
 
 
 def compute_at(p: Profile, batch: int) -> float:
@@ -168,7 +178,7 @@ SECTIONS = {"workload": ("model", "model_args", "image_size", "batch_per_replica
                      "memory_per_image", "optimizer_s", "host_copy_bandwidth", "intra_bandwidth", "intra_latency"),
             "network": ("net_bandwidth", "net_latency", "local_bandwidth"),
             "ps": ("ps_apply_rate", "ps_accumulate_rate", "ps_overlap"),
-            "input": ("input_rate",),
+            "input": ("input_rate", "read_rate"),
             "host": ("shared_cores", "compute_on_cores")}
 
 
