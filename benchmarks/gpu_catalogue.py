@@ -7,6 +7,11 @@ grouped convolutions move far more bytes per FLOP than ResNet-50's, so a FLOPs-o
 call it nearly as fast per FLOP, where the roofline charges its bytes. Prints one JSON object:
 the factors, each check's predicted and published img/s and error, and the errors' median and
 maximum (the catalogue's held-out error, which cluster descriptions carry as their compute band).
+
+Then whole nodes: the published 8-GPU rows of the same tables (one DGX node; never fitted to) are
+predicted by the model from a cluster description of that node (cluster.py), all-reduce over
+NVLink, so that the catalogue and the node's averaging are checked together. The V100's mixed
+precision is fp16, which scaletrain's recipes do not train, so its 8-GPU AMP row is left out.
 Counting the networks on the meta device takes about half a minute.
 
     python benchmarks/gpu_catalogue.py [--save]
@@ -27,7 +32,9 @@ from torch import nn
 from scaletrain.config import load_config
 from scaletrain.metrics import git_commit, run_info
 from scaletrain.perfmodel import gpus
+from scaletrain.perfmodel.cluster import Cluster, profile_for
 from scaletrain.perfmodel.layers import step_cost
+from scaletrain.perfmodel.predict import predict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +65,26 @@ def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
             layers.append(_Block(cin, width, planes * 4, 2 if (j == 0 and i > 0) else 1, groups))
             cin = planes * 4
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
+
+
+# (GPU, its NVLink Gbit/s each way a GPU, recipe precision, batch per GPU, published 8-GPU img/s, table)
+NODE_CHECKS = (
+    ("a100-80gb", 2400, "bf16", 256, 16621, "resnet50v1.5"),   # NVLink 3 through NVSwitch: 300 GB/s each way
+    ("a100-80gb", 2400, "fp32", 256, 7248, "resnet50v1.5"),    # fp32 recipes train in tf32 there
+    ("v100-16gb", 1200, "fp32", 112, 2855, "resnet50v1.5"),    # NVLink 2: 150 GB/s each way
+    ("v100-32gb", 1200, "fp32", 112, 2766, "resnet50v1.5"),
+)
+
+
+def node_check(gpu: str, link: float, precision: str, batch: int, published: float, table: str) -> dict:
+    cfg = load_config(None, ["model.name=resnet50", "model.num_classes=1000", "data.image_size=224",
+                             f"data.batch_size={batch}", "data.name=synthetic", "cluster.nodes=1",
+                             "cluster.gpus_per_node=8", f"train.precision={precision}", "strategy.name=allreduce"])
+    prof, _ = profile_for(Cluster(gpu=gpu, gpus=8, gpu_link_gbps=link), {}, cfg, Path(f"{gpu} x 8"))
+    got = predict(cfg, prof)["images_per_sec"]
+    return {"gpu": gpu, "gpus": 8, "precision": precision, "batch": batch, "published": published,
+            "predicted": round(got, 1), "error": round(got / published - 1, 4), "source": gpus.DLE.format(table)
+            .replace("1 GPU", "8 GPUs")}
 
 
 NETWORKS = {"resnet50": "resnet50", "resnext101-32x4d": "gpu_catalogue:resnext101_32x4d"}
@@ -95,6 +122,7 @@ def main() -> int:
                        "error": round(got / p.images_per_s - 1, 4),
                        "flops_only_predicted": round(flops_only, 1),
                        "flops_only_error": round(flops_only / p.images_per_s - 1, 4), "source": p.source})
+    nodes = [node_check(*row) for row in NODE_CHECKS]
     errors = [abs(c["error"]) for c in checks]
     flops_errors = [abs(c["flops_only_error"]) for c in checks]
     out = {"benchmark": "gpu_catalogue", "factors": factors,
@@ -102,6 +130,9 @@ def main() -> int:
            "held_out_error": {"median": round(statistics.median(errors), 4), "max": round(max(errors), 4)},
            "flops_only_held_out_error": {"median": round(statistics.median(flops_errors), 4),
                                          "max": round(max(flops_errors), 4)},
+           "node_checks": nodes,
+           "node_error": {"median": round(statistics.median(abs(n["error"]) for n in nodes), 4),
+                          "max": round(max(abs(n["error"]) for n in nodes), 4)},
            "launch_s": gpus.LAUNCH_S, **run_info(torch.device("cpu"))}
     text = json.dumps(out, indent=1)
     print(text)
