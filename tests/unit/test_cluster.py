@@ -4,7 +4,6 @@ and the profile a description makes for a recipe (perfmodel/gpus.py, layers.py, 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -136,15 +135,15 @@ def test_loaders_beyond_the_cores_and_the_file_system_bound_the_input(tmp_path):
         assert row["images_per_sec"] <= slow.read_rate * 1.0001
 
 
-def test_predict_prices_a_users_network_on_a_described_node(tmp_path):
+def test_predict_prices_a_users_network_on_a_described_node(tmp_path, capsys):
+    from scaletrain.cli import main
     recipe = write(tmp_path, "[model]\nname = 'resnet8'\nnum_classes = 10\n[data]\nimage_size = 32\n"
                    "batch_size = 64\n", "recipe.toml")
-    run = [sys.executable, "-m", "scaletrain.cli", "predict", "--profile", str(NODES / "h100.toml"), "--recipe",
-           str(recipe), "--grid", "cluster.nodes=1,2", "--format", "json"]
-    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)
+    run = ["predict", "--profile", str(NODES / "h100.toml"), "--recipe", str(recipe), "--grid", "cluster.nodes=1,2",
+           "--format", "json"]
+    assert main(run) == 0
+    rows = json.loads(capsys.readouterr().out)
     assert [r["images_per_sec"] > 0 for r in rows] == [True, True]
-    bad = subprocess.run(run[:-2] + ["--set", "train.precision=bf16", "--profile", str(NODES / "v100.toml")],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no bf16" in bad.stderr
+    assert main(run + ["--set", "train.precision=bf16", "--profile", str(NODES / "v100.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no bf16" in err
