@@ -10,7 +10,9 @@ maximum (the catalogue's held-out error, which cluster descriptions carry as the
 
 Then whole nodes: the published 8-GPU rows of the same tables (one DGX node; never fitted to) are
 predicted by the model from a cluster description of that node (cluster.py), all-reduce over
-NVLink, so that the catalogue and the node's averaging are checked together. The V100's mixed
+NVLink, so that the catalogue and the node's averaging are checked together, each with the band
+a catalogue prediction carries (the ResNeXt check's largest error on compute) and whether the
+published rate lies inside it: its coverage. The V100's mixed
 precision is fp16, which scaletrain's recipes do not train, so its 8-GPU AMP row is left out.
 Counting the networks on the meta device takes about half a minute.
 
@@ -32,6 +34,7 @@ from torch import nn
 from scaletrain.config import load_config
 from scaletrain.metrics import git_commit, run_info
 from scaletrain.perfmodel import gpus
+from scaletrain.perfmodel import cluster
 from scaletrain.perfmodel.cluster import Cluster, profile_for
 from scaletrain.perfmodel.layers import step_cost
 from scaletrain.perfmodel.predict import predict
@@ -82,9 +85,13 @@ def node_check(gpu: str, link: float, precision: str, batch: int, published: flo
                              "cluster.gpus_per_node=8", f"train.precision={precision}", "strategy.name=allreduce"])
     prof, _ = profile_for(Cluster(gpu=gpu, gpus=8, gpu_link_gbps=link), {}, cfg, Path(f"{gpu} x 8"))
     got = predict(cfg, prof)["images_per_sec"]
+    # the band every catalogue prediction carries: compute_s +- the held-out error (cluster.py), so
+    # images/s between got / (1 + e) and got / (1 - e) where compute is the bottleneck
+    e = cluster.CATALOGUE_ERROR
+    band = [round(got / (1 + e), 1), round(got / (1 - e), 1)]
     return {"gpu": gpu, "gpus": 8, "precision": precision, "batch": batch, "published": published,
-            "predicted": round(got, 1), "error": round(got / published - 1, 4), "source": gpus.DLE.format(table)
-            .replace("1 GPU", "8 GPUs")}
+            "predicted": round(got, 1), "error": round(got / published - 1, 4), "band": band,
+            "inside": band[0] <= published <= band[1], "source": gpus.DLE.format(table).replace("1 GPU", "8 GPUs")}
 
 
 NETWORKS = {"resnet50": "resnet50", "resnext101-32x4d": "gpu_catalogue:resnext101_32x4d"}
@@ -133,6 +140,7 @@ def main() -> int:
            "node_checks": nodes,
            "node_error": {"median": round(statistics.median(abs(n["error"]) for n in nodes), 4),
                           "max": round(max(abs(n["error"]) for n in nodes), 4)},
+           "node_band_coverage": round(sum(n["inside"] for n in nodes) / len(nodes), 4),
            "launch_s": gpus.LAUNCH_S, **run_info(torch.device("cpu"))}
     text = json.dumps(out, indent=1)
     print(text)
