@@ -12,6 +12,7 @@ allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -296,6 +297,9 @@ def check_value(key: str, value: Any, f: dataclasses.Field, typ: type) -> Any:
     if typ is bool and not isinstance(value, bool) or typ is not bool and (
             isinstance(value, bool) or not isinstance(value, typ)):
         raise ConfigError(f"{key} = {value!r}: expected {typ.__name__} ({allowed})")
+    if typ is float and not math.isfinite(value):
+        # NaN passes every comparison of the range check below, and a job trains on it to the end
+        raise ConfigError(f"{key} = {value!r}: expected a finite number ({allowed})")
     ch, lo, hi = f.metadata["choices"], f.metadata["lo"], f.metadata["hi"]
     if ch is not None and value not in ch:
         raise ConfigError(f"{key} = {value!r}: not allowed; choose one of {', '.join(ch)}")
@@ -351,7 +355,13 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     if recipe is None:
         return build_config({}, overrides)
     path = Path(recipe)
-    return build_config(read_toml(path, "recipe"), overrides, origin=str(path))
+    tables = read_toml(path, "recipe")
+    if not tables:
+        # an empty file (or one of comments) is more likely a wrong or unsaved file than a wish for the defaults,
+        # which a command gives with no recipe at all
+        raise ConfigError(f"recipe {path} sets nothing (empty, or comments only); a recipe has tables such as "
+                          "[model] and [train] (see recipes/)")
+    return build_config(tables, overrides, origin=str(path))
 
 
 def read_toml(path: Path, kind: str, error: type[ValueError] = ConfigError) -> dict[str, Any]:

@@ -1,0 +1,31 @@
+"""Bad input a user meets on the command line: each refused in one line naming what is wrong, before any
+work starts and before anything is written."""
+
+import pytest
+
+from scaletrain.config import ConfigError, load_config
+
+from conftest import RECIPES
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.lr=inf", "optim.gamma=-inf", "train.epochs=nan",
+                                      "optim.noise_scale=nan"])
+def test_float_keys_refuse_nan_and_infinities(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key} = (nan|-?inf): expected a finite number"):
+        load_config(RECIPES / "digits.toml", [override])
+
+
+def test_recipe_nan_is_refused_naming_the_key(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[optim]\nlr = nan\n")
+    with pytest.raises(ConfigError, match=r"^optim\.lr = nan"):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n# [model]\n"])
+def test_empty_recipe_is_refused_naming_the_file(tmp_path, text):
+    recipe = tmp_path / "empty.toml"
+    recipe.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^recipe {recipe} sets nothing"):
+        load_config(recipe)
