@@ -4,6 +4,8 @@ work starts and before anything is written."""
 import pytest
 
 from scaletrain.config import ConfigError, load_config
+from scaletrain.errors import GridError
+from scaletrain.study.grid import cells, parse_grid
 
 from conftest import RECIPES
 
@@ -29,3 +31,16 @@ def test_empty_recipe_is_refused_naming_the_file(tmp_path, text):
     recipe.write_text(text)
     with pytest.raises(ConfigError, match=rf"^recipe {recipe} sets nothing"):
         load_config(recipe)
+
+
+@pytest.mark.parametrize("items", [["cluster.nodes=1,2", "cluster.nodes=3"],
+                                   ["cluster.nodes=1,2", "strategy.name+cluster.nodes=sync:1"],
+                                   ["cluster.nodes+cluster.nodes=1:2"]])
+def test_grid_refuses_a_key_given_twice(items):
+    with pytest.raises(GridError, match=r"cluster\.nodes is already in the grid"):
+        parse_grid(items)
+
+
+def test_grid_of_distinct_keys_still_multiplies():
+    grid = parse_grid(["cluster.nodes=1,2", "strategy.name+cluster.num_ps=allreduce:0,sync:1"])
+    assert len(cells(grid)) == 4

@@ -16,8 +16,9 @@ from ..launch.env import plan_for
 
 def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
     """Each item is KEY=V1,V2,... or, for keys that move together, K1+K2=A1:A2,B1:B2
-    (e.g. strategy.name+cluster.num_ps=allreduce:0,sync:1)."""
-    grid = []
+    (e.g. strategy.name+cluster.num_ps=allreduce:0,sync:1). A key given twice is refused: each cell would
+    take only its last value, so the first item's values were dropped and the last's each run twice."""
+    grid, seen = [], set()
     for item in items:
         key, sep, values = item.partition("=")
         keys = tuple(k.strip() for k in key.split("+"))
@@ -27,6 +28,11 @@ def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, 
         if not sep or not all(keys) or not values.strip() or any(len(v) != len(keys) for v in vals):
             raise GridError(f"--grid {item!r}: write KEY=V1,V2,... (e.g. cluster.nodes=1,2,4) or "
                             "K1+K2=A1:A2,B1:B2 for keys that move together")
+        twice = next((k for i, k in enumerate(keys) if k in seen or k in keys[:i]), None)
+        if twice:
+            raise GridError(f"--grid {item!r}: {twice} is already in the grid; give all its values in one item, "
+                            f"e.g. {twice}=1,2,3")
+        seen.update(keys)
         grid.append((keys, vals))
     return grid
 
