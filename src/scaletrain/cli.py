@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                                           args.no_input)
     if args.command == "predict":
         return _predict(args)
+    if _ignored_flag(args):
+        print(f"scaletrain: error: {_ignored_flag(args)}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.recipe, [*args.overrides, *(IMPOSED if args.command == "bench" else ())])
     except ConfigError as e:
@@ -232,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     if launch_env.in_torchrun() or launch_env.in_slurm_step():
         exit_now(0)  # a job's process, its work done: no interpreter teardown (launch/join.exit_now)
     return 0
+
+
+def _ignored_flag(args) -> str | None:
+    """Why a flag given would do nothing here, in one line; None when each takes effect. A flag
+    silently ignored lets a user believe it acted: --wait that waited for nothing, a --plan-node
+    that placed nothing."""
+    if args.command == "slurm" and args.wait and not args.submit:
+        return "--wait waits for a submitted job: give --submit too (without it the script is only written)"
+    if args.command == "train" and args.plan_node is not None and not launch_env.in_torchrun():
+        return (f"--plan-node {args.plan_node}: for a process torchrun started (`scaletrain plan --format torchrun` "
+                "writes the commands); this one places its processes itself")
+    return None
 
 
 def _predict(args) -> int:

@@ -1,8 +1,11 @@
 """Bad input a user meets on the command line: each refused in one line naming what is wrong, before any
 work starts and before anything is written."""
 
+import os
+
 import pytest
 
+from scaletrain import cli
 from scaletrain.config import ConfigError, load_config
 from scaletrain.errors import GridError
 from scaletrain.study.grid import cells, parse_grid
@@ -44,3 +47,37 @@ def test_grid_refuses_a_key_given_twice(items):
 def test_grid_of_distinct_keys_still_multiplies():
     grid = parse_grid(["cluster.nodes=1,2", "strategy.name+cluster.num_ps=allreduce:0,sync:1"])
     assert len(cells(grid)) == 4
+
+
+def _refused(capsys, argv) -> str:
+    """main's one line on stderr for argv, which it must refuse with exit status 2."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scaletrain: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_slurm_wait_needs_submit(tmp_path, capsys):
+    run = tmp_path / "run"
+    err = _refused(capsys, ["slurm", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run), "--wait"])
+    assert "--wait" in err and "--submit" in err and not run.exists()
+
+
+def test_plan_node_outside_torchrun_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    run = tmp_path / "run"
+    err = _refused(capsys, ["train", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run),
+                            "--plan-node", "1"])
+    assert "--plan-node 1" in err and "torchrun" in err and not run.exists()
+
+
+def test_unknown_partition_is_refused_before_the_script_is_written(tmp_path, capsys, monkeypatch):
+    bin_dir = tmp_path / "bin"  # a sinfo that knows no such partition: it prints nothing, exit status 0
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run = tmp_path / "run"
+    err = _refused(capsys, ["slurm", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run),
+                            "--partition", "nosuch"])
+    assert "--partition nosuch" in err and not run.exists()

@@ -94,7 +94,8 @@ def gres_gpus(text: str) -> int:
 
 def partition_nodes(partition: str, run=subprocess.run) -> tuple[str, list[Node]] | str:
     """(partition name, its nodes) as sinfo lists them; the partition given, else the default one.
-    A string says why they are unknown."""
+    A string says why they are unknown; LaunchError when sinfo answers and lists no node in the
+    partition given (sinfo -p of a partition it does not know prints nothing, with exit status 0)."""
     cmd = ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%G|%m"] + (["-p", partition] if partition else [])
     try:
         r = run(cmd, capture_output=True, text=True, timeout=30)
@@ -106,12 +107,16 @@ def partition_nodes(partition: str, run=subprocess.run) -> tuple[str, list[Node]
         said = (r.stderr.strip().splitlines() or ["exit status %d" % r.returncode])[-1]
         return f"sinfo: {said.removeprefix('sinfo: ')}"  # its own messages start with its name
     rows = [line.split("|") for line in r.stdout.splitlines() if line.count("|") == 4]
+    given = bool(partition)
     if not partition:
         default = {p for _, p, *_ in rows if p.endswith("*")}
         if not default:
             return "no --partition and sinfo shows no default partition"
         rows = [row for row in rows if row[1] in default]
         partition = default.pop().rstrip("*")
+    if not rows and given:  # sinfo answered and lists none: sbatch would refuse the script, after it is written
+        raise LaunchError(f"--partition {partition}: sinfo lists no node in it (no such partition here, or an "
+                          "empty one); `sinfo -s` lists the partitions")
     if not rows:
         return f"sinfo lists no node in partition {partition}"
     try:
