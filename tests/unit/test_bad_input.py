@@ -81,3 +81,12 @@ def test_unknown_partition_is_refused_before_the_script_is_written(tmp_path, cap
     err = _refused(capsys, ["slurm", "--recipe", str(RECIPES / "digits.toml"), "--run-dir", str(run),
                             "--partition", "nosuch"])
     assert "--partition nosuch" in err and not run.exists()
+
+
+def test_pack_into_a_folder_of_shards_is_bad_input(tmp_path, capsys):
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "index.json").write_text("{}\n")
+    err = _refused(capsys, ["pack", "--recipe", str(RECIPES / "digits.toml"), "--set", "data.name=imagefolder",
+                            "--set", f"data.root={tmp_path}", "--out", str(out)])
+    assert "already holds shards" in err and [p.name for p in out.iterdir()] == ["index.json"]

@@ -164,7 +164,7 @@ def test_pack_command_writes_webdataset_shards(tmp_path, env):
     assert sources == labels  # every image, with its label, as webdataset would read it
     again = subprocess.run(scaletrain_cmd("pack", "--recipe", str(recipe), "--out", str(tmp_path / "s")),
                            capture_output=True, text=True, env=env)
-    assert again.returncode == 1 and "already holds shards" in again.stderr
+    assert again.returncode == 2 and "already holds shards" in again.stderr  # bad input: another --out
     bad = subprocess.run(scaletrain_cmd("pack", "--recipe", str(recipe), "--shard-size", "lots", "--out",
                                         str(tmp_path / "t")), capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--shard-size 'lots' is not a size" in bad.stderr

@@ -155,11 +155,12 @@ def pack(cfg, out: str | Path, shard_bytes: int, workers: int = 0, progress: boo
 def check_out(out: Path) -> None:
     """Refuse an --out that is not a new or empty directory, before anything is written: a file,
     a directory with shards in it, or one holding files a pack does not write (a user's, which
-    the shards would be mixed with). What an unfinished pack left may be written over."""
+    the shards would be mixed with). What an unfinished pack left may be written over. Each is a
+    ConfigError: an --out to change, bad input (exit status 2), not data that failed."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory")
     if (out / "index.json").exists() or any(out.glob("*.tar")):
-        raise DataError(f"--out {out}: already holds shards; choose an empty directory")
+        raise ConfigError(f"--out {out}: already holds shards; choose an empty directory")
     other = sorted(p.name for p in out.iterdir() if not _PACK_NAMES.fullmatch(p.name)) if out.exists() else []
     if other:
         n = "1 file that is" if len(other) == 1 else f"{len(other)} files that are"
