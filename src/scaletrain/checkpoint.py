@@ -9,7 +9,8 @@ state (`Writer`); a thread does the rest. A write that fails (a full disk)
 removes its partial file and training goes on; the run's last one must be
 written. Partial files of killed writes are removed at the next save or
 resume. Loading uses weights_only=True only, and a refused file is named with
-its reason in one line. What a resumed run continues from is resume.py's.
+its reason in one line; a resume that passes over it renames it NAME.damaged,
+which rotation never deletes. What a resumed run continues from is resume.py's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .metrics import pinned, sync
 
 log = logging.getLogger("scaletrain")
 PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
+DAMAGED = ".damaged"  # suffix of a checkpoint that does not load, set aside: out of PATTERN, no rotation deletes it
 
 
 def path_for(ckpt_dir: Path, step: int) -> Path:
@@ -92,8 +94,8 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
             read(final)
             log.info("%s is complete already; not written again", final)
             return final
-        except CheckpointError:
-            pass  # damaged: replaced below
+        except CheckpointError as e:  # damaged: kept for a look, and a new one written in its place
+            log.warning("%s; %s", e, set_aside(final))
     # Serialised in memory first, so a failed write can say how many bytes it needed.
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -182,6 +184,19 @@ class Writer:
             raise CheckpointError(f"the run's last checkpoint was not written: {self.failed}")
 
 
+def set_aside(path: Path) -> str:
+    """Rename a checkpoint that does not load to NAME.damaged; a few words saying where it went.
+    Rotation deletes the oldest complete checkpoints by name: under its own name a damaged one
+    counted among the kept, so a good older one went first, and it was deleted in its turn, when the
+    user may want to see what damaged it. A rename that fails leaves it where it is, and says so."""
+    aside = path.with_name(path.name + DAMAGED)
+    try:
+        os.replace(path, aside)
+    except OSError as e:
+        return f"{path.name} could not be set aside ({e.strerror or e})"
+    return f"kept as {aside.name}"
+
+
 def _fsync_dir(d: Path) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -264,14 +279,16 @@ def images_of(state: dict[str, Any]) -> int:
 
 def load_latest(ckpt_dir: Path) -> tuple[dict[str, Any], Path] | None:
     """The newest checkpoint that loads; None when there is none. Falling back to an older one
-    is a warning naming the newer ones, why they were refused, and the steps lost."""
+    is a warning naming the newer ones, why they were refused, and the steps lost; each refused
+    one is then set aside (set_aside). When none loads, all stay as they are (CheckpointError)."""
     found = newest(ckpt_dir)
     if found is None:
         return None
     state, path, bad = found
     if bad:
-        log.warning("%s; resuming from %s (step %d) instead: %d steps lost", "; ".join(r for _, r in bad),
-                    path.name, state["step"], bad[0][0] - state["step"])
+        kept = "; ".join(set_aside(path_for(ckpt_dir, step)) for step, _ in bad)
+        log.warning("%s; resuming from %s (step %d) instead: %d steps lost; %s", "; ".join(r for _, r in bad),
+                    path.name, state["step"], bad[0][0] - state["step"], kept)
     return state, path
 
 

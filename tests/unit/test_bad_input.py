@@ -90,3 +90,36 @@ def test_pack_into_a_folder_of_shards_is_bad_input(tmp_path, capsys):
     err = _refused(capsys, ["pack", "--recipe", str(RECIPES / "digits.toml"), "--set", "data.name=imagefolder",
                             "--set", f"data.root={tmp_path}", "--out", str(out)])
     assert "already holds shards" in err and [p.name for p in out.iterdir()] == ["index.json"]
+
+
+def test_a_damaged_checkpoint_skipped_on_resume_is_kept_and_the_good_ones_rotate(tmp_path, caplog):
+    import torch
+
+    from scaletrain import checkpoint
+
+    d = tmp_path / "ckpt"
+    for step in (100, 150):
+        checkpoint.save(d, step, {"step": step, "config": {}, "model": {"w": torch.ones(3)}}, keep=2)
+    damaged = d / "ckpt-00000150.pt"
+    cut = damaged.read_bytes()[:-100]  # truncated
+    damaged.write_bytes(cut)
+    loaded, _ = checkpoint.load_latest(d)
+    assert loaded["step"] == 100 and "kept as ckpt-00000150.pt.damaged" in caplog.text
+    for step in (200, 250, 300):  # the resumed run goes on past it
+        checkpoint.save(d, step, {"step": step, "config": {}, "model": {"w": torch.ones(3)}}, keep=2)
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt-00000150.pt.damaged", "ckpt-00000250.pt",
+                                                   "ckpt-00000300.pt"]
+    assert (d / "ckpt-00000150.pt.damaged").read_bytes() == cut
+
+
+def test_a_damaged_checkpoint_of_the_step_being_written_is_kept(tmp_path):
+    import torch
+
+    from scaletrain import checkpoint
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "ckpt-00000010.pt").write_bytes(b"not a checkpoint")
+    checkpoint.save(d, 10, {"step": 10, "config": {}, "model": {"w": torch.ones(3)}}, keep=2)
+    assert (d / "ckpt-00000010.pt.damaged").read_bytes() == b"not a checkpoint"
+    assert checkpoint.read(d / "ckpt-00000010.pt")["step"] == 10
