@@ -164,6 +164,14 @@ def node_name(node: int) -> str:
     return f"node {node + 1}"
 
 
+def lost_nodes(plan: Plan, ranks: list[int]) -> dict[str, list[int]]:
+    """The lost worker processes `ranks` as summary.json's lost_workers records them: "nodes", their
+    nodes numbered from 1 as every message numbers them (node_name: "the job goes on without node 3"
+    is [3]; cluster.* keys such as slow_link_node count from 0), and "ranks", numbered as
+    torch.distributed numbers them (from 0), as the messages do too ("rank 3 (worker 2 on node 3)")."""
+    return {"nodes": sorted({plan.procs[r].node + 1 for r in ranks}), "ranks": list(ranks)}
+
+
 def _role(plan: Plan, p: Proc) -> str:
     """'worker 3', 'ps 0'; with stages, 'worker 3 (replica 1, stage 2)'."""
     if p.role == "worker" and plan.stages > 1:

@@ -29,6 +29,7 @@ from .device import not_applied
 from .metrics import DeviceTimer, JobClock, Progress, Recorder, peak_memory, sync
 from .replicas import evaluate, replica_buffers
 from .optim import state_keys
+from .plan import lost_nodes
 from .resume import rng_state
 from .strategies.base import Tick
 from .twin.dilation import cluster_row
@@ -139,11 +140,11 @@ class Tracker:
         """Record the worker nodes the chief declared lost since the last step: when (job clock)
         and how far the job had come (images applied, as of this step)."""
         for ranks, t in self.ctx.dropped_at[len(self.lost):]:
-            nodes = sorted({self.ctx.plan.procs[r].node for r in ranks})
-            self.lost.append({"nodes": nodes, "ranks": ranks, "wall": round(t - self.clock.t0, 3),
+            lost = lost_nodes(self.ctx.plan, ranks)  # nodes numbered from 1, as the messages number them
+            self.lost.append({**lost, "wall": round(t - self.clock.t0, 3),
                               "images": tick.images, "step": self.sched.step_of(tick.images)})
             left = self.ctx.plan.worker_nodes - len({n for x in self.lost for n in x["nodes"]})
-            self.bar.message(f"step {self.sched.step_of(tick.images)}: lost node {', '.join(str(n + 1) for n in nodes)}; "
+            self.bar.message(f"step {self.sched.step_of(tick.images)}: lost node {', '.join(map(str, lost['nodes']))}; "
                              f"going on with {left} worker nodes")
 
     def epoch(self, images: int) -> float:

@@ -136,7 +136,7 @@ def test_an_asynchronous_job_goes_on_without_a_partitioned_node(tmp_path, env):
     assert "rank 3 (worker 2 on node 3) sent no heartbeat for 5 s; the job goes on without node 3" in err, err
     assert "unreachable" not in err and "rank 0 (worker 0 on node 1)" not in err, err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [w["nodes"] for w in summary["lost_workers"]] == [[2]], summary["lost_workers"]
+    assert [w["nodes"] for w in summary["lost_workers"]] == [[3]], summary["lost_workers"]
     assert left_namespaces(run_dir) == []
 
 

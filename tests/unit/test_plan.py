@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.plan import ClusterConfig, PlanError, format_table, make_plan, node_line
+from scaletrain.plan import ClusterConfig, PlanError, format_table, lost_nodes, make_plan, node_line, node_name
 
 
 def cluster(**kw) -> ClusterConfig:
@@ -140,3 +140,10 @@ def test_errors_are_one_line():
         with pytest.raises(PlanError) as e:
             make_plan(cluster(**kw), ps_required=req)
         assert "\n" not in str(e.value)
+
+
+def test_lost_workers_number_nodes_as_the_messages_do():
+    plan = make_plan(cluster(nodes=3, gpus_per_node=2), ps_required=False, gpus=0)
+    ranks = [p.rank for p in plan.procs if p.node == 2]
+    assert lost_nodes(plan, ranks) == {"nodes": [3], "ranks": [4, 5]}
+    assert node_name(2) == f"node {lost_nodes(plan, ranks)['nodes'][0]}"  # "the job goes on without node 3"

@@ -27,6 +27,7 @@ from ..device import facts
 from ..errors import (EXIT_STOPPED, REPORTED, ConfigError, Finished, LaunchError, PlanError, RunError,
                       Stopped)
 from ..models import check_network
+from ..plan import lost_nodes
 from ..rundir import prepare_run_dir
 from ..schedule import step_images
 from . import early, env as launch_env, local, slurm
@@ -70,9 +71,10 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, script: list[str] | No
                 excluded.append(culprit.get("host"))
                 start = partial(start, exclude=tuple(excluded))
         line, images = _restart_from(run_dir, failed, cfg)
-        if smaller is not None:  # numbered as the job that lost it numbered its nodes and ranks
-            ranks = [p.rank for p in launch_env.plan_for(failed).procs if p.node == node]
-            lost.append({"nodes": [node], "ranks": ranks, "host": culprit.get("host"), "restart": restarts,
+        if smaller is not None:  # ranks of the job that lost it; its nodes numbered from 1, as the messages
+            plan = launch_env.plan_for(failed)
+            lost.append({**lost_nodes(plan, [p.rank for p in plan.procs if p.node == node]),
+                         "host": culprit.get("host"), "restart": restarts,
                          "images": images, "step": images // step_images(cfg)})
         print(f"scaletrain: {culprit['what']}; restart {restarts} of {cfg.cluster.max_restarts}{without}: {line}",
               file=sys.stderr, flush=True)
