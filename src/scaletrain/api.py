@@ -22,7 +22,7 @@ from typing import Any
 from .config import Config, build_config, load_config, toml_value
 from .job import Job
 from .models import build_model
-from .run import run_dir_for, run_training
+from .run import run_dir_for, run_training, warn_slow_input
 
 __all__ = ["Config", "Job", "build_model", "load_config", "train"]
 
@@ -45,5 +45,7 @@ def train(config_or_recipe: Config | str | Path, overrides: Mapping[str, Any] | 
         cfg, name = build_config(config_or_recipe.to_dict(), sets, origin="the Config given"), "job"
     else:
         cfg, name = load_config(config_or_recipe, sets), str(config_or_recipe)
-    return run_training(cfg, run_dir_for(name, str(run_dir) if run_dir else None, cfg), resume=resume,
-                        progress=progress)
+    summary = run_training(cfg, run_dir_for(name, str(run_dir) if run_dir else None, cfg), resume=resume,
+                           progress=progress)
+    warn_slow_input(summary, cfg)
+    return summary

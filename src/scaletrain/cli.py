@@ -26,7 +26,7 @@ from .perfmodel import commands
 from .perfmodel.recommend import OBJECTIVES
 from .pipeline import planned_split
 from .plan import format_table, node_line
-from .run import run_dir_for, run_training
+from .run import run_dir_for, run_training, warn_slow_input
 from .rundir import prepare_run_dir
 from .study import bench, learning, report
 from .study.bench import IMPOSED
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if summary:  # a worker of a torchrun or srun job other than the chief has none: the chief reports
         print(f"run dir: {run_dir}")
         print(summary_line(summary))
+        warn_slow_input(summary, cfg)
     if launch_env.in_torchrun() or launch_env.in_slurm_step():
         exit_now(0)  # a job's process, its work done: no interpreter teardown (launch/join.exit_now)
     return 0

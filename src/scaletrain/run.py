@@ -12,6 +12,7 @@ fails is started again from its newest checkpoint.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,18 @@ from .loop import train
 from .models import check_network
 from .rundir import prepare_run_dir
 
+log = logging.getLogger("scaletrain")
+
+# The share of a run's timed training that worker 0 may spend waiting for its next batch before
+# the run's command says so. The warning exists to say that the input, not the devices, sets the
+# job's pace, and its advice (more loader processes, shards, fewer augmentations) costs the user a
+# change and a rerun. At a quarter, input holds the job to three quarters of what its devices do:
+# faster input would make it a third faster. Below that the figure does not tell a slow input from
+# its fixed costs: every batch is handed over (a queue, a copy to the device, on a CPU device the
+# crop and normalisation in the training process), and where the loaders share the CPUs with
+# training, that hand-over alone can take a tenth of a small model's step from a loader that keeps up.
+SLOW_INPUT = 0.25
+
 
 def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
     """--run-dir, or runs/RECIPE-TIME. Every process of a torchrun/srun job must be told
@@ -33,6 +46,22 @@ def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
     if cfg.distributed and (launch_env.in_torchrun() or launch_env.in_slurm_step()):
         raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
     return Path(f"runs/{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def warn_slow_input(summary: dict[str, Any], cfg) -> None:
+    """Warn once, after a run, when worker 0 waited for data over SLOW_INPUT of its timed training
+    (summary.json's data_wait_fraction: the whole run past its warm-up, not a few log windows,
+    which a burst of other work on the machine or a loader's start tips over any bound). The run's
+    command and the API's train call it for the user who asked for the run; jobs that other
+    commands run to measure something (bench's cells, whose table has the figure, calibrate's jobs)
+    do not."""
+    wait = summary.get("data_wait_fraction")
+    if wait is None or wait < SLOW_INPUT:
+        return
+    log.warning("worker 0 waited for data %.0f%% of the run's timed training (data_wait_fraction in summary.json): "
+                "its data.workers = %d loader processes decode and augment slower than the model trains; raise "
+                "data.workers where cores are free, pack the images into shards (scaletrain pack), or lighten "
+                "data.augment", 100 * wait, cfg.data.workers)
 
 
 def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True,

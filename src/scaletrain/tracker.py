@@ -70,7 +70,6 @@ class Tracker:
         self.peak = 0  # bytes: this process's peak memory while it trained (metrics.peak_memory)
         self.stopped = 0  # the signal that stopped the job before its end (comm.end.stopped), 0 while it runs
         self.saved_at = 0.0  # job clock of the last checkpoint (train.checkpoint_every_s)
-        self.slow_input = 0  # log windows in a row the chief waited for data over 10% (None: warned)
 
     def inputs(self, batch: Batch):
         """The batch on the device as the network's input, without images that could not be read
@@ -108,7 +107,6 @@ class Tracker:
                    "train_wall": self.clock.now(), "loss": self.last_loss, "lr": lr}
             if rate is not None:
                 row.update(images_per_sec=rate, data_wait_fraction=window[2] / window[1])
-                self._watch_input(window[2] / window[1])
             noise = self.strategy.noise.window() if self.strategy.noise is not None else None
             if noise is not None:
                 row["noise_scale"] = noise
@@ -123,18 +121,6 @@ class Tracker:
         every = self.cfg.train.checkpoint_every_s
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to the next sync point
-
-    def _watch_input(self, wait: float, limit: float = 0.1, windows: int = 3) -> None:
-        """Warn once when the chief waited for data over `limit` of `windows` log windows in a row."""
-        if self.slow_input is None or not self.chief:
-            return
-        self.slow_input = self.slow_input + 1 if wait > limit else 0
-        if self.slow_input == windows:
-            log.warning("worker 0 waited for data %.0f%% of the last log window (over %.0f%% in %d windows in a row): "
-                        "its data.workers = %d loader processes decode and augment slower than the model trains; "
-                        "raise data.workers where cores are free, pack the images into shards (scaletrain pack), "
-                        "or lighten data.augment", 100 * wait, 100 * limit, windows, self.cfg.data.workers)
-            self.slow_input = None
 
     def _note_lost(self, tick: Tick) -> None:
         """Record the worker nodes the chief declared lost since the last step: when (job clock)

@@ -46,6 +46,7 @@ def test_slow_loading_is_named_once(tmp_path, env):
     assert slow.stderr.count("waited for data") == 1 and "data.workers = 0 loader processes" in slow.stderr
     rows = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["data_wait_fraction"] > 0.1 for r in rows if r.get("data_wait_fraction") is not None)
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["data_wait_fraction"] >= 0.25
     fast = subprocess.run(scaletrain_cmd("train", *common, "--set", "model.num_classes=10", "--set", "data.workers=1",
                                          "--set", "model.name=resnet20", "--set", "model.width=16",
                                          "--set", "data.image_size=32", "--set", "data.batch_size=32",
