@@ -47,8 +47,9 @@ from pathlib import Path
 from strategies import stdout_to_stderr
 
 from scaletrain.cli import main as cli
-from scaletrain.config import load_config
+from scaletrain.config import build_config, load_config
 from scaletrain.metrics import git_commit, run_info
+from scaletrain.perfmodel.bands import band, coverage, field_spreads, no_spread
 from scaletrain.perfmodel.predict import add_time, predict
 from scaletrain.perfmodel.calibrate import median_profile, rederive
 from scaletrain.perfmodel.profile import dump_profile, load_profile
@@ -124,19 +125,53 @@ def regime(name: str, out: Path, steps: int, rescore: bool = False) -> dict:
     def pair(r: dict, key: str) -> list:
         return [None if r[f"{key}_{s}"] is None else round(r[f"{key}_{s}"], 3) for s in ("measured", "predicted")]
 
+    bands, covered = throughput_bands(validated["rows"], prof)
     return {
         "profile": {k: v for section, table in profile.items() if section != "about" for k, v in table.items()},
         "calibration_spread": profile["about"]["spread"],
+        "coverage": covered,
         "rows": [{"setup": r["label"], "measured": round(r["measured"], 1), "predicted": round(r["predicted"], 1),
+                  "band": b and [round(b[0], 1), round(b[1], 1)],
+                  "inside": None if b is None else b[0] <= r["measured"] <= b[1],
                   "error": round(r["rel_error"], 4), "staleness_mean": pair(r, "staleness_mean"),
                   "staleness_p95": pair(r, "staleness_p95"), "dropped_fraction": pair(r, "dropped_fraction"),
                   "bottleneck": r["bottleneck"], "bench": str(Path(r["bench_dir"]).relative_to(out))}
-                 for r in validated["rows"]],
+                 for r, b in zip(validated["rows"], bands)],
         "configurations": len(validated["rows"]),
         "median_abs_error": round(validated["median_abs_error"], 4),
         "speedup_median_abs_error": round(validated["speedup_median_abs_error"], 4),
         "staleness_median_abs_error": validated["staleness_median_abs_error"],
     }
+
+
+def throughput_bands(validated: list[dict], prof: Path) -> tuple[list, dict]:
+    """Each validated row's band on throughput from the profile's spread (perfmodel/bands.py;
+    the median of the windows' calibrations, or one calibration's rounds), and the coverage: the
+    fraction of measured throughputs inside their bands. None and the reason where the profile
+    gives no spread."""
+    profile, about = load_profile(prof)
+    spreads = field_spreads(about)
+    out = []
+    for r in validated:
+        if not spreads:
+            out.append(None)
+            continue
+        cfg = bench_config(r)
+        row = predict(cfg, profile)
+        b = band(row, profile, spreads, lambda q, cfg=cfg: predict(cfg, q))
+        out.append(b["images_per_sec"] if b else None)
+    return out, coverage([(r["measured"], b) for r, b in zip(validated, out)], "" if spreads else no_spread(str(prof)))
+
+
+def bench_config(r: dict):
+    """The config of a validated row, from the bench row it was predicted for (as validate.py reads it)."""
+    rows = json.loads((Path(r["bench_dir"]) / "bench-rows.json").read_text())
+    row = next(b for b in rows if (b.get("label"), b.get("cell")) == (r["label"], r["cell"]))
+    nested: dict[str, dict] = {}
+    for k, v in row["config"].items():
+        sec, key = k.split(".", 1)
+        nested.setdefault(sec, {})[key] = v
+    return build_config(nested)
 
 
 def mean_rows(dirs: list[Path], out: Path) -> Path:
@@ -165,14 +200,18 @@ def mean_rows(dirs: list[Path], out: Path) -> Path:
 
 
 def study() -> dict:
-    k80, _ = load_profile(ROOT / "profiles/study-k80.toml")
+    k80, about = load_profile(ROOT / "profiles/study-k80.toml")
+    spreads = field_spreads(about)  # none: the profile is set from published figures
     recipe = ROOT / "recipes/anp-resnet50.toml"
     rows = []
     for name, sets_, measured in STUDY:
-        row = predict(load_config(recipe, ["cluster.gpus_per_node=4", "cluster.nodes=4", "strategy.name=mixed-async",
-                                           *sets_]), k80)
+        cfg = load_config(recipe, ["cluster.gpus_per_node=4", "cluster.nodes=4", "strategy.name=mixed-async", *sets_])
+        row = predict(cfg, k80)
+        b = (band(row, k80, spreads, lambda q, cfg=cfg: predict(cfg, q)) or {}).get("images_per_sec")
         rows.append({"setup": name, "measured": measured, "predicted": round(row["images_per_sec"], 2),
+                     "band": b and [round(b[0], 2), round(b[1], 2)],
                      "error": round(row["images_per_sec"] / measured - 1, 4), "bottleneck": row["bottleneck"]})
+    covered = coverage([(r["measured"], r["band"]) for r in rows], no_spread("profiles/study-k80.toml"))
     versus = []
     for nodes, ps in SYNC_VS_ASYNC:
         rate = {s: predict(load_config(recipe, ["cluster.gpus_per_node=4", f"cluster.nodes={nodes}",
@@ -183,7 +222,7 @@ def study() -> dict:
                        "mixed_async": round(rate["mixed-async"], 1),
                        "sync_over_mixed_async": round(rate["sync"] / rate["mixed-async"], 3),
                        "sync_train_hours": None if hours is None else round(hours, 1)})
-    return {"study_k80_4_workers": rows, "sync_vs_mixed_async": versus}
+    return {"study_k80_4_workers": rows, "study_k80_coverage": covered, "sync_vs_mixed_async": versus}
 
 
 def main() -> None:

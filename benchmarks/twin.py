@@ -28,9 +28,10 @@ Prediction. `scaletrain predict` with the study profile whose net_bandwidth is t
 the PS's CPU out (ps_apply_rate and ps_accumulate_rate 1e15) and makes its shard send its own
 replies (ps_overlap = false, scaletrain's server): the twin dilates neither the PS's CPU time nor
 anything but emulated compute and links, so at k > 1 its PS computes k times faster than the
-cluster's, and that figure is the model of what the twin emulates. The model gives point
-figures here (`band` is null): the study profile is set from published figures, with no
-calibration spread.
+cluster's, and that figure is the model of what the twin emulates. Each prediction carries
+predict's `band` (perfmodel/bands.py), and --predict-again reports `coverage`: the fraction of
+rows whose measured images/s lie inside the band. The study profile is set from published
+figures, with no calibration spread, so its bands are null and coverage is null with that reason.
 
 comm_share: the summary's time_split_s, comm_s / (compute_s + intra_s + comm_s), the workers'
 mean (all-reduce between nodes, or pushes and pulls waiting on the PS); predicted: the step's
@@ -254,7 +255,7 @@ def predicted(p: dict | None) -> dict | None:
     comm = parts.get("communication", parts.get("network", 0.0))  # the PS's wait (simulated), or the ring
     return {"images_per_sec": p["images_per_sec"], "speedup": p["speedup"], "efficiency": p["efficiency"],
             "step_s": p["step_s"], "comm_share": comm / p["step_s"],
-            "bottleneck": p["bottleneck"], "staleness_mean": p["staleness_mean"], "band": None}
+            "bottleneck": p["bottleneck"], "staleness_mean": p["staleness_mean"], "band": p.get("band")}
 
 
 def add_predictions(rows: list[dict], tmp: Path) -> None:
@@ -411,8 +412,19 @@ def predict_again(saved: Path, save: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         add_predictions(rows, Path(tmp))
     out.update(run_info(torch.device("cpu")), **measured, rows=rows, findings=findings(rows),
-               command="python benchmarks/twin.py " + " ".join(sys.argv[1:]))
+               coverage=band_coverage(rows), command="python benchmarks/twin.py " + " ".join(sys.argv[1:]))
     emit(out, save)
+
+
+def band_coverage(rows: list[dict]) -> dict:
+    """Per prediction ('predicted', 'predicted_network_only'): the fraction of rows whose measured
+    images/s lie inside the predicted band (perfmodel/bands.py), or null with the reason."""
+    from scaletrain.perfmodel.bands import coverage, no_spread
+
+    def pair(r: dict, key: str) -> tuple:
+        return r.get("images_per_sec"), ((r.get(key) or {}).get("band") or {}).get("images_per_sec")
+    return {key: coverage([pair(r, key) for r in rows], no_spread(PROFILE))
+            for key in ("predicted", "predicted_network_only")}
 
 
 def emit(out: dict, save: bool) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import Config, build_config, load_config
 from ..errors import USER_ERRORS, ConfigError, LaunchError, ModelError, PlanError, ProfileError
 from ..models import check_network
+from .bands import band, field_spreads, no_spread
 from .calibrate import calibrate
 from .predict import add_time, predict, table
 from .profile import Profile, dump_profile, fits, largest_batch, load_profile, memory_text
@@ -100,6 +101,7 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
         epochs = (prof.epochs or cfg.train.epochs) if epochs is None else epochs
         if images < 0 or epochs < 0:
             raise ConfigError(f"--images {images} / --epochs {epochs}: must be >= 0")
+        spreads = field_spreads(load_profile(profile)[1])
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))
     warn_flags(profile, flags)  # a prediction from it may still say something; a recommendation is refused
@@ -108,15 +110,15 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
         label = ", ".join(f"{k}={v}" for k, v in cell.items()) or "recipe"
         try:
             c = build_config(cfg.to_dict(), [f"{k}={v}" for k, v in cell.items()])
-            row = add_time(predict(c, prof, spread), images, epochs)
-            if measured:
-                row = add_target(row, c, measured)
+            row = banded_row(c, prof, spreads, spread, images, epochs, measured)
         except (ConfigError, ModelError) as e:
             row = {"label": label, "error": str(e)}
         rows.append({"cell": cell, "label": label, **row})
     if fmt == "json":
         print(json.dumps(rows, indent=1))
     else:
+        if not spreads:
+            print(f"predict: {no_spread()}", file=sys.stderr)
         if measured:
             print(f"predict: to {measured.describe()}", file=sys.stderr)
             if cfg.optim.scale_lr != "noise":
@@ -124,6 +126,20 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
                       f"{measured.noise_scale:.0f}); the recipe scales lr by {cfg.optim.scale_lr!r}", file=sys.stderr)
         print(table(rows))
     return 1 if any(r.get("error") for r in rows) else 0
+
+
+def banded_row(c: Config, prof: Profile, spreads: dict[str, float], spread: float, images: int, epochs: float,
+               measured: Learning | None) -> dict:
+    """predict's row for c, with epoch and training time, the figures to the target where
+    `measured`, and their bands (bands.py: the row predicted again with each uncertain field of
+    the profile moved, and the learning runs' own half-width)."""
+    def row_of(p: Profile) -> dict:
+        row = add_time(predict(c, p, spread), images, epochs)
+        return add_target(row, c, measured) if measured else row
+
+    row = row_of(prof)
+    row["band"] = band(row, prof, spreads, row_of, measured.band() if measured else 0.0)
+    return row
 
 
 def learned(target: tuple[str, float] | None, learning: list[Path] | None) -> Learning | None:
@@ -165,8 +181,11 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
             left = ("asynchronous rounds left out" if measured.staleness_factor is not None else
                     "asynchronous strategies left out: give --learning an emulator run to predict them")
             print(f"recommend: to {measured.describe()}; {left}", file=sys.stderr)
+        spreads = field_spreads(load_profile(profile)[1])
+        if not spreads:
+            print(f"recommend: {no_spread()}", file=sys.stderr)
         entries = recommend(cfg, prof, max_nodes, objective, min_efficiency, max_staleness, spread, batches=tried,
-                            learning=measured)
+                            learning=measured, spreads=spreads)
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))
     falling = shown_flags(entries)
@@ -177,6 +196,8 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
         print(json.dumps(entries, indent=1))
     else:
         print(recommend_table(entries, objective))
+        close = [f"{e['nodes']} node{'s' if e['nodes'] > 1 else ''}: {e['overlap']}" for e in entries if e["overlap"]]
+        print("\n" + "\n".join(close) if close else "", end="\n" if close else "")
     return 0
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import scaling
+from .bands import shown
 from ..config import Config
 from ..strategies import images_per_update
 from . import costs
@@ -172,9 +173,24 @@ def signed_time(seconds: float) -> str:
     return ("+" if seconds >= 0 else "") + human_time(seconds)
 
 
+def rate(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def whole(x: float) -> str:
+    """A band's edge: as many digits as it has a meaning for (bands.py)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def hours(h: float) -> str:
+    return human_time(h * 3600)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: the predicted figures of each row, with its bottleneck (and epoch and training
-    time, and the updates, images and hours to a target, where the rows have them)."""
+    time, and the updates, images and hours to a target, where the rows have them). Throughput and
+    the updates and time to a target show their band, 'value (low-high)', where the row has one
+    (bands.py); the JSON has every figure's."""
     timed = any("epoch_s" in r for r in rows)
     trained = any("train_hours" in r for r in rows)
     targeted = any("target_hours" in r or "target_note" in r for r in rows)
@@ -191,11 +207,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             (f", drops {r['dropped_fraction']:.0%}" if r["dropped_fraction"] else "")
         if "target_hours" in r:
             evals = f" ({human_time(r['target_eval_hours'] * 3600)} evaluating)" if r.get("target_eval_hours") else ""
-            target = f" {r['target_updates']:.0f} | {r['target_images']:.3g} | " \
-                     f"{human_time(r['target_hours'] * 3600)}{evals} |"
+            target = f" {shown(r, 'target_updates', lambda x: f'{x:.0f}')} | {r['target_images']:.3g} | " \
+                     f"{shown(r, 'target_hours', hours)}{evals} |"
         else:
             target = f" {r.get('target_note', '-')} | | |"
-        lines.append(f"| {scaling.setup(r)} | {r['images_per_sec']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
+        lines.append(f"| {scaling.setup(r)} | {shown(r, 'images_per_sec', rate, whole)} | {r['speedup']:.2f} | "
+                     f"{r['efficiency']:.2f} | "
                      f"{human_time(r['step_s'])} | {r['bottleneck']} | {r['ps_cpu_util']:.2f} | "
                      f"{r['link_util']:.2f} | {stale} | {r['method']} |"
                      + (f" {human_time(r['epoch_s'])} |" if timed else "")

@@ -23,8 +23,9 @@ import time
 from typing import Any
 
 from ..config import Config
+from .bands import band, edges, overlap, shown
 from ..strategies import REGISTRY
-from .predict import human_time, predict, signed_time
+from .predict import hours, human_time, predict, rate, signed_time, whole
 from .profile import Profile, fits, memory_at
 from .scaling import setup
 from .setup import ModelError
@@ -126,14 +127,18 @@ def why(loser: dict[str, Any], best: dict[str, Any], objective: str) -> str:
 def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "throughput",
               min_efficiency: float = 0.0, max_staleness: float | None = None, spread: float = 0.0,
               runners_up: int = 3, progress: bool = True, batches: list[int] | None = None,
-              learning: Learning | None = None, clock=time.monotonic) -> list[dict[str, Any]]:
+              learning: Learning | None = None, clock=time.monotonic,
+              spreads: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """One entry per node count: {"nodes": T, "best": row, "runners_up": [(row, reason), ...],
     "batch_reason": str, "considered": n, "batches": tried, "unfit": left out for memory};
     best is None when no candidate meets the limits. batches: the batches per replica to try
     (default: the recipe's); the runners-up are other configurations at the chosen batch. learning:
     the measured run that time to accuracy is predicted from (statistical.py), needed by that
     objective, which leaves out the strategies it cannot predict (asynchronous ones). A row whose
-    strategy's speedup falls as nodes grow carries a `flag` (falling_speedups)."""
+    strategy's speedup falls as nodes grow carries a `flag` (falling_speedups). The rows shown (the
+    best and the runners-up) carry a `band` (bands.py, from the profile's `spreads` and the learning
+    runs'), and `overlap` says when the best two are within each other's bands on the objective; a
+    band predicts a row again per uncertain field, so only the rows shown get one."""
     if objective == "time-to-accuracy" and learning is None:
         raise ModelError("--objective time-to-accuracy needs --learning RUN_DIR and --until accuracy=A or loss=L")
     recipe = cfg.data.batch_size
@@ -148,13 +153,14 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
               for t in counts}
     start = clock()
     for k, total in enumerate(counts):
-        rows = []
+        rows, made = [], {}
         for c in shapes[total]:
             try:
                 row = predict(c, p, spread)
             except ModelError:
                 continue  # a shape the profile's nodes cannot hold
             rows.append(add_target(row, c, learning) if learning else row)
+            made[id(rows[-1])] = c
         fastest[total] = fastest_by_strategy(rows)
         ok = [r for r in rows if r["efficiency"] >= min_efficiency
               and (objective != "time-to-accuracy" or "target_hours" in r)
@@ -167,7 +173,10 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
         best = ok[0] if ok else None
         same = [r for r in ok[1:] if r["batch_per_replica"] == best["batch_per_replica"]] if best else []
         tops = {b: next((r for r in ok if r["batch_per_replica"] == b), None) for b in tried}
+        for r in [best, *same[:runners_up]] if best else []:
+            r["band"] = row_band(r, made[id(r)], p, spreads or {}, spread, learning)
         out.append({"nodes": total, "best": best, "considered": len(rows), "batches": tried, "unfit": unfit,
+                    "overlap": within(best, same[0], objective) if same else None,
                     "batch_reason": batch_reason(best, tops, recipe, unfit, p, objective) if best else "",
                     "runners_up": [(r, why(r, best, objective)) for r in same[:runners_up]]})
         if progress:
@@ -175,6 +184,42 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
                   f"{progress_note(shapes, counts[:k + 1], clock() - start)}", file=sys.stderr, flush=True)
     mark_falling(out, falling_speedups(fastest))
     return out
+
+
+def row_band(row: dict[str, Any], c: Config, p: Profile, spreads: dict[str, float], spread: float,
+             learning: Learning | None) -> dict[str, list[float]] | None:
+    """The row's band (bands.band): c predicted again as recommend predicts it."""
+    def row_of(q: Profile) -> dict[str, Any]:
+        r = predict(c, q, spread)
+        return add_target(r, c, learning) if learning else r
+    return band(row, p, spreads, row_of, learning.band() if learning else 0.0)
+
+
+def objective_band(row: dict[str, Any], objective: str) -> tuple[float, float]:
+    """The band of value(row, objective), or the point itself where the row has none."""
+    if objective == "time-to-accuracy":
+        b = edges(row, "target_hours")
+        return (1 / b[1], 1 / b[0] if b[0] > 0 else float("inf")) if b else (value(row, objective),) * 2
+    b = edges(row, "images_per_sec" if objective == "throughput" else "efficiency")
+    kept = 1 - row["dropped_fraction"]
+    return (b[0] * kept, b[1] * kept) if b else (value(row, objective),) * 2
+
+
+def within(best: dict[str, Any], second: dict[str, Any], objective: str) -> str | None:
+    """'the best two are within each other's bands: A: 371-421 img/s; B: 360-409 img/s' when the
+    bands of the best two on the objective overlap (a row with no band counts as its point); None
+    when they do not, or neither has a band."""
+    if not (best.get("band") or second.get("band")) or \
+            not overlap(objective_band(best, objective), objective_band(second, objective)):
+        return None
+
+    def text(r: dict[str, Any]) -> str:
+        if objective == "time-to-accuracy":
+            lo, hi = edges(r, "target_hours") or (r["target_hours"],) * 2
+            return f"{hours(lo)}-{hours(hi)} to the target"
+        lo, hi = objective_band(r, objective)
+        return f"{whole(lo)}-{whole(hi)} img/s" if objective == "throughput" else f"{lo:.2f}-{hi:.2f} efficiency"
+    return f"the best two are within each other's bands: {setup(best)}: {text(best)}; {setup(second)}: {text(second)}"
 
 
 def progress_note(shapes: dict[int, list], done: list[int], elapsed: float) -> str:
@@ -265,7 +310,8 @@ def batch_reason(best: dict[str, Any], tops: dict[int, dict | None], recipe: int
 
 
 def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
-    """Markdown: one line per node count; a flagged row (falling_speedups) says so in its cell."""
+    """Markdown: one line per node count; a flagged row (falling_speedups) says so in its cell. The
+    img/s, the objective's figure and the time to a target show their band where the row has one."""
     timed = objective == "time-to-accuracy"
     lines = [f"| Nodes | Recommended ({objective}) | Batch per replica | Images per update | img/s | Speedup | "
              "Efficiency |" + (" Time to target | Images to target |" if timed else "")
@@ -277,9 +323,10 @@ def recommend_table(entries: list[dict[str, Any]], objective: str) -> str:
             lines.append(f"| {e['nodes']} | none meets the limits ({e['considered']} considered) |" + " |" * (7 + 2 * timed))
             continue
         losers = "; ".join(f"{setup(r)}{marked(r)}: {reason}" for r, reason in e["runners_up"]) or "-"
+        eff = shown(b, "efficiency", lambda x: f"{x:.2f}") if objective == "efficiency" else f"{b['efficiency']:.2f}"
         lines.append(f"| {e['nodes']} | {setup(b)}{marked(b)} | {b['batch_per_replica']} | {b['update_batch']} | "
-                     f"{b['images_per_sec']:.1f} | {b['speedup']:.2f} | {b['efficiency']:.2f} | "
-                     + (f"{human_time(b['target_hours'] * 3600)} | {b['target_images']:.3g} | " if timed else "")
+                     f"{shown(b, 'images_per_sec', rate, whole)} | {b['speedup']:.2f} | {eff} | "
+                     + (f"{shown(b, 'target_hours', hours)} | {b['target_images']:.3g} | " if timed else "")
                      + f"{e['batch_reason'] or '-'} | {losers} |")
     return "\n".join(lines)
 

@@ -20,12 +20,23 @@ about the same g, where a cost linear in tau would not. tau is the staleness the
 for the configuration (predict.py), up to the largest staleness an emulator run had: past it stale
 updates can diverge, which a factor fitted below it does not say. Rounds of asynchronous all-reduce
 are not predicted.
+
+How sure (bands.py): several synchronous runs of one configuration, seeds, give their median
+images to the target and noise scale, and their spread (max - min) / median, a half-width of
+spread / 2 on the updates as a profile's spread gives. A target accuracy p read on n test images
+is itself off by the binomial standard error sqrt(p (1 - p) / n); the run's learning curve turns
+that into images: over the secant from the evaluation before the crossing to the crossing, an
+accuracy sigma higher or lower is reached sigma / slope images later or sooner. A loss target is
+the training batches' loss, with no test set: no such term. Both are relative half-widths on the
+updates at the run's update size, carried to the others as they are (the noise scale's own
+uncertainty is left out), and combined in quadrature.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +64,14 @@ class Learning:
     staleness_factor: float | None = None
     staleness_max: float = 0.0  # the most staleness an emulator run measured: the cost is not extrapolated past it
     test_images: int = 0
+    seeds: int = 1  # synchronous runs of the one configuration
+    seed_spread: float = 0.0  # their images to the target: (max - min) / median
+    eval_error: float = 0.0  # the test set's standard error on the target accuracy, as a fraction of the images
+
+    def band(self) -> float:
+        """The relative half-width of the updates to the target: the seeds' spread / 2 and the
+        evaluation's error in quadrature (0: nothing to say)."""
+        return math.hypot(self.seed_spread / 2, self.eval_error)
 
     def updates_at(self, update: int, staleness: float = 0.0) -> float:
         """Updates to the target at `update` images per update, at mean staleness `staleness`:
@@ -65,8 +84,10 @@ class Learning:
         what, value = self.target
         cost = "" if self.staleness_factor is None else (f", {self.staleness_factor:.2f}x the updates a version of "
                                                          f"staleness, up to staleness {self.staleness_max:.1f}")
+        seeds = f", {self.seeds} seeds spread {self.seed_spread:.0%}" if self.seeds > 1 else ""
+        evals = f", test-set error +-{self.eval_error:.1%} of the images" if self.eval_error else ""
         return (f"{what} {value:g} after {self.images} images at {self.update} images per update, gradient noise "
-                f"scale {self.noise_scale:.0f}{cost} ({self.source})")
+                f"scale {self.noise_scale:.0f}{cost}{seeds}{evals} ({self.source})")
 
 
 def _read_run(run_dir: Path, target: tuple[str, float]):
@@ -110,16 +131,7 @@ def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Lea
                              "for asynchronous parameter servers, the emulator (strategy.emulate_workers = K)")
         else:
             sync.append((run_dir, read))
-    if len(sync) != 1:
-        raise ModelError(f"--learning: {len(sync)} synchronous runs among {', '.join(map(str, runs))}; give one "
-                         "(with emulator runs beside it, if any)")
-    run_dir, (cfg, rows, summary, images) = sync[0]
-    noise = [r["noise_scale"] for r in rows if r["kind"] == "train" and "noise_scale" in r and r["images"] <= images]
-    if not noise:
-        raise ModelError(f"{run_dir / 'metrics.jsonl'}: no gradient noise scale before the target (it is measured "
-                         "where backward averages two or more replicas, or in one replica with train.noise_every = N)")
-    base = Learning(target, images, images_per_update(cfg), summary.get("noise_scale") or noise[-1], str(run_dir),
-                    test_images=summary.get("test_images", 0))
+    base = synchronous(sync, runs, target)
     costs, taus = [], [0.0]
     for run_dir, (ecfg, _, esummary, eimages) in emulated:
         tau = esummary.get("staleness_mean")
@@ -131,6 +143,48 @@ def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Lea
         taus.append(tau)
     factor = math.exp(max(0.0, sum(costs) / len(costs))) if costs else None
     return replace(base, staleness_factor=factor, staleness_max=max(taus), source=", ".join(map(str, runs)))
+
+
+def synchronous(sync: list, runs: list[Path], target: tuple[str, float]) -> Learning:
+    """The Learning of the synchronous runs (seeds of one configuration): their median images to
+    the target and noise scale, their spread, and the median of their evaluations' errors."""
+    if not sync:
+        raise ModelError(f"--learning: no synchronous run among {', '.join(map(str, runs))}; give one, or several "
+                         "seeds of one (with emulator runs beside it, if any)")
+    updates = {images_per_update(read[0]) for _, read in sync}
+    if len(updates) > 1:
+        raise ModelError(f"--learning: synchronous runs at {', '.join(map(str, sorted(updates)))} images per update; "
+                         "several synchronous runs are seeds of one configuration")
+    images, noises, errors = [], [], []
+    for run_dir, (cfg, rows, summary, reached) in sync:
+        noise = [r["noise_scale"] for r in rows
+                 if r["kind"] == "train" and "noise_scale" in r and r["images"] <= reached]
+        if not noise:
+            raise ModelError(f"{run_dir / 'metrics.jsonl'}: no gradient noise scale before the target (it is measured "
+                             "where backward averages two or more replicas, or in one replica with train.noise_every "
+                             "= N)")
+        images.append(reached)
+        noises.append(summary.get("noise_scale") or noise[-1])
+        errors.append(eval_error(rows, target, reached, summary.get("test_images", 0)))
+    middle = statistics.median(images)
+    return Learning(target, middle, updates.pop(), statistics.median(noises), ", ".join(str(d) for d, _ in sync),
+                    test_images=sync[0][1][2].get("test_images", 0), seeds=len(sync),
+                    seed_spread=(max(images) - min(images)) / middle, eval_error=statistics.median(errors))
+
+
+def eval_error(rows: list[dict[str, Any]], target: tuple[str, float], reached: int, test_images: int) -> float:
+    """The images by which the test set's sampling error moves the crossing of a target accuracy, as a
+    fraction of `reached`: sqrt(p (1 - p) / n) over the slope of the secant from the evaluation
+    before the crossing to it. 0 for a loss target, an unknown test set, or no evaluation before."""
+    what, p = target
+    evals = [r for r in rows if r["kind"] == "eval" and "test_accuracy" in r and r["images"] <= reached]
+    if what != "accuracy" or not test_images or len(evals) < 2:
+        return 0.0
+    before, hit = evals[-2], evals[-1]
+    slope = (hit["test_accuracy"] - before["test_accuracy"]) / max(hit["images"] - before["images"], 1)
+    if slope <= 0:
+        return 0.0
+    return math.sqrt(p * (1 - p) / test_images) / slope / reached
 
 
 def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str, Any]:
