@@ -244,7 +244,7 @@ def test_loading_in_the_training_process_is_in_series_with_compute():
 def test_input_rate_0_changes_nothing(tmp_path):
     without, zero = tmp_path / "without.toml", tmp_path / "zero.toml"
     text = dump_profile(TOY, {})
-    without.write_text(text.replace("[input]\ninput_rate = 0.0\n", ""))
+    without.write_text(text.replace("[input]\ninput_rate = 0.0\nread_rate = 0.0\n", ""))
     zero.write_text(text)
     assert "[input]" not in without.read_text() and load_profile(without)[0] == load_profile(zero)[0] == TOY
     for cfg in (cfg_of(data__workers=0), cfg_of("sync", nodes=2, ps=1), cfg_of("mixed-async", nodes=2, ps=1)):

@@ -18,6 +18,7 @@ from ..errors import USER_ERRORS, ConfigError, LaunchError, ModelError, PlanErro
 from ..models import check_network
 from .bands import band, field_spreads, no_spread
 from .calibrate import calibrate
+from .cluster import load_for
 from .predict import add_time, predict, table
 from .profile import Profile, dump_profile, fits, largest_batch, load_profile, memory_text
 from .recommend import batch_candidates, recommend, recommend_table, shown_flags
@@ -54,17 +55,18 @@ def calibrate_command(recipe: str | None, overrides: list[str], out: Path, steps
 
 
 def workload(profile: str, recipe: str | None, overrides: list[str],
-             spread: float) -> tuple[Profile, Config, list[str]]:
+             spread: float) -> tuple[Profile, Config, list[str], dict]:
     """The profile and the recipe's config, checked against each other (check_workload), and the
-    profile's flags (calibrate.py: what says its calibration cannot be true)."""
-    prof, about = load_profile(profile)
+    profile's flags (calibrate.py: what says its calibration cannot be true). A cluster description
+    (cluster.py) is made the profile of the recipe's network on its nodes."""
     if not recipe:
         raise ConfigError("predict needs --recipe (or --validate BENCH_DIR)")
     if spread < 0:
         raise ConfigError(f"--spread {spread}: must be >= 0")
     cfg = load_config(recipe, overrides)
+    prof, about = load_for(profile, cfg)
     check_workload(cfg, prof, profile)
-    return prof, cfg, profile_flags(about)
+    return prof, cfg, profile_flags(about), about
 
 
 def profile_flags(about: dict) -> list[str]:
@@ -96,12 +98,12 @@ def predict_command(profile: str, recipe: str | None, overrides: list[str], cell
     when a cell could not be predicted."""
     try:
         measured = learned(target, learning)
-        prof, cfg, flags = workload(profile, recipe, overrides, spread)
+        prof, cfg, flags, about = workload(profile, recipe, overrides, spread)
         images = prof.dataset_images if images is None else images
         epochs = (prof.epochs or cfg.train.epochs) if epochs is None else epochs
         if images < 0 or epochs < 0:
             raise ConfigError(f"--images {images} / --epochs {epochs}: must be >= 0")
-        spreads = field_spreads(load_profile(profile)[1])
+        spreads = field_spreads(about)
     except (ProfileError, ConfigError, ModelError) as e:
         return fail(str(e))
     warn_flags(profile, flags)  # a prediction from it may still say something; a recommendation is refused
@@ -162,7 +164,7 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
     with nodes are marked in the table and named on stderr."""
     try:
         measured = learned(target, learning)
-        prof, cfg, flags = workload(profile, recipe, overrides, spread)
+        prof, cfg, flags, about = workload(profile, recipe, overrides, spread)
         if flags and not force:
             return fail(refusal(profile, flags))
         warn_flags(profile, flags)
@@ -181,7 +183,7 @@ def recommend_command(profile: str, recipe: str | None, overrides: list[str], fm
             left = ("asynchronous rounds left out" if measured.staleness_factor is not None else
                     "asynchronous strategies left out: give --learning an emulator run to predict them")
             print(f"recommend: to {measured.describe()}; {left}", file=sys.stderr)
-        spreads = field_spreads(load_profile(profile)[1])
+        spreads = field_spreads(about)
         if not spreads:
             print(f"recommend: {no_spread()}", file=sys.stderr)
         entries = recommend(cfg, prof, max_nodes, objective, min_efficiency, max_staleness, spread, batches=tried,

@@ -41,7 +41,7 @@ def estimate(p: Profile, st: Setup, spread: float = 0.0, seed: int = 0) -> tuple
     A training process that loads its own batches does so in series with compute, so that
     time joins compute_s; background loaders set a floor under the step (costs.loader_floor).
     parts keeps compute and input apart."""
-    if not p.input_rate:
+    if not p.input_rate and not p.read_rate:
         return _estimate(p, st, spread, seed)
     fed = p if st.loaders else replace(p, compute_s=p.compute_s + costs.input_s(p, st))
     est, method = _estimate(fed, st, spread, seed)
