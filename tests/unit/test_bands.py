@@ -139,3 +139,18 @@ def test_coverage_counts_the_measured_figures_inside_their_bands():
         {"coverage": 0.5, "inside": 1, "rows": 2}
     none = coverage([(100.0, None)], "the profile gives no spread")
     assert none["coverage"] is None and none["reason"] == "the profile gives no spread"
+
+
+def test_a_shared_error_moves_the_best_two_alike_and_keeps_their_order():
+    """Bands that overlap need not mean a tie: both configurations run on the same GPUs. A compute
+    spread moves allreduce and sync alike and their order holds; a network spread moves only the
+    one that waits on the network, and then either may lead."""
+    fast = replace(TOY, net_bandwidth=1e12, intra_bandwidth=1e12, local_bandwidth=1e12, ps_apply_rate=1e12,
+                   ps_accumulate_rate=1e12)
+    cfg = load_config(None, RECIPE)
+    two = recommend(cfg, fast, 2, progress=False, spreads={"compute_s": 0.2})[-1]
+    assert "moved together by the profile's spread, the first stays ahead" in two["overlap"]
+    # a slow network that only the best waits on, known to within +-40%: its lead may go
+    slow = replace(fast, net_bandwidth=2.2e8)
+    two = recommend(cfg, slow, 2, progress=False, spreads={"net_bandwidth": 0.8})[-1]
+    assert two["overlap"] and "either may lead" in two["overlap"], two

@@ -154,6 +154,26 @@ def band(row: dict[str, Any], p: Profile, spreads: dict[str, float], row_of: Cal
     return out
 
 
+def ratio_band(p: Profile, spreads: dict[str, float], value_a: Callable[[Profile], float],
+               value_b: Callable[[Profile], float]) -> tuple[float, float] | None:
+    """(low, high) of value_a / value_b when both come from the same moved profile, each uncertain
+    field at its two extremes in turn, combined in quadrature as band() does. Two configurations
+    on one cluster share its errors: a GPU 10% slower than calibrated slows both, so their bands
+    may overlap while their order holds; this says whether it does. None without a spread."""
+    r0 = value_a(p) / value_b(p)
+    devs = []
+    for name, spread in sorted(spreads.items()):
+        if not getattr(p, name):
+            continue
+        moved = [perturbed(p, name, f) for f in (max(LOWEST, 1 - spread / 2), 1 + spread / 2)]
+        rel = [value_a(q) / value_b(q) / r0 - 1 for q in moved]
+        devs.append((max([0.0, *(-r for r in rel)]), max([0.0, *rel])))
+    if not devs:
+        return None
+    down, up = quadrature(devs)
+    return r0 * max(0.0, 1 - down), r0 * (1 + up)
+
+
 def edges(row: dict[str, Any], key: str) -> tuple[float, float] | None:
     """The row's band on `key`, or None."""
     b = (row.get("band") or {}).get(key)

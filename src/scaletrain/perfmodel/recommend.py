@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from ..config import Config
-from .bands import band, edges, overlap, shown
+from .bands import band, edges, overlap, ratio_band, shown
 from ..strategies import REGISTRY
 from .predict import hours, human_time, predict, rate, signed_time, whole
 from .profile import Profile, fits, memory_at
@@ -176,7 +176,8 @@ def recommend(cfg: Config, p: Profile, max_nodes: int, objective: str = "through
         for r in [best, *same[:runners_up]] if best else []:
             r["band"] = row_band(r, made[id(r)], p, spreads or {}, spread, learning)
         out.append({"nodes": total, "best": best, "considered": len(rows), "batches": tried, "unfit": unfit,
-                    "overlap": within(best, same[0], objective) if same else None,
+                    "overlap": within(best, same[0], objective, order(best, same[0], made, p, spreads or {},
+                                                                      spread, learning, objective)) if same else None,
                     "batch_reason": batch_reason(best, tops, recipe, unfit, p, objective) if best else "",
                     "runners_up": [(r, why(r, best, objective)) for r in same[:runners_up]]})
         if progress:
@@ -195,6 +196,21 @@ def row_band(row: dict[str, Any], c: Config, p: Profile, spreads: dict[str, floa
     return band(row, p, spreads, row_of, learning.band() if learning else 0.0)
 
 
+def order(best: dict[str, Any], second: dict[str, Any], made: dict[int, Config], p: Profile,
+          spreads: dict[str, float], spread: float, learning: Learning | None,
+          objective: str) -> tuple[float, float] | None:
+    """The band of value(best) / value(second) with both predicted from the same moved profile
+    (bands.ratio_band): whether the order holds under the errors the two share."""
+    def of(row):
+        c = made[id(row)]
+
+        def value_of(q: Profile) -> float:
+            r = predict(c, q, spread)
+            return value(add_target(r, c, learning) if learning else r, objective)
+        return value_of
+    return ratio_band(p, spreads, of(best), of(second)) if spreads else None
+
+
 def objective_band(row: dict[str, Any], objective: str) -> tuple[float, float]:
     """The band of value(row, objective), or the point itself where the row has none."""
     if objective == "time-to-accuracy":
@@ -205,10 +221,12 @@ def objective_band(row: dict[str, Any], objective: str) -> tuple[float, float]:
     return (b[0] * kept, b[1] * kept) if b else (value(row, objective),) * 2
 
 
-def within(best: dict[str, Any], second: dict[str, Any], objective: str) -> str | None:
+def within(best: dict[str, Any], second: dict[str, Any], objective: str,
+           ratio: tuple[float, float] | None = None) -> str | None:
     """'the best two are within each other's bands: A: 371-421 img/s; B: 360-409 img/s' when the
     bands of the best two on the objective overlap (a row with no band counts as its point); None
-    when they do not, or neither has a band."""
+    when they do not, or neither has a band. With `ratio` (order()), whether the order holds when
+    the errors they share move both alike: '...; moved together, A stays ahead (1.02-1.04x)'."""
     if not (best.get("band") or second.get("band")) or \
             not overlap(objective_band(best, objective), objective_band(second, objective)):
         return None
@@ -219,7 +237,12 @@ def within(best: dict[str, Any], second: dict[str, Any], objective: str) -> str 
             return f"{hours(lo)}-{hours(hi)} to the target"
         lo, hi = objective_band(r, objective)
         return f"{whole(lo)}-{whole(hi)} img/s" if objective == "throughput" else f"{lo:.2f}-{hi:.2f} efficiency"
-    return f"the best two are within each other's bands: {setup(best)}: {text(best)}; {setup(second)}: {text(second)}"
+    said = f"the best two are within each other's bands: {setup(best)}: {text(best)}; {setup(second)}: {text(second)}"
+    if ratio is None:
+        return said
+    span = f"{ratio[0]:.2f}-{ratio[1]:.2f}x"
+    return said + (f"; moved together by the profile's spread, the first stays ahead ({span})" if ratio[0] > 1 else
+                   f"; moved together by the profile's spread, either may lead ({span})")
 
 
 def progress_note(shapes: dict[int, list], done: list[int], elapsed: float) -> str:
