@@ -133,3 +133,31 @@ def test_what_cannot_be_predicted_is_one_line(tmp_path, capsys, args, says):
     assert main(["predict", "--profile", str(profile), "--recipe", str(recipe), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def sync_run(path, batch, reached, noise=8.0):
+    """A 1-replica synchronous run of `batch` images an update that reached accuracy 0.9 at `reached`
+    images, with a measured noise scale `noise` on the way."""
+    path.mkdir()
+    (path / "config.toml").write_text(dump_toml(load_config(None, [f"data.batch_size={batch}"])))
+    rows = [{"kind": "train", "step": 10, "images": 10 * batch, "loss": 1.0, "noise_scale": noise},
+            {"kind": "eval", "step": reached // batch, "images": reached, "test_accuracy": 0.9}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_runs_at_two_update_sizes_fit_the_critical_batch_the_runs_show(tmp_path):
+    """S = 100 (1 + 32 / B): 300 updates at 16 images, 150 at 64, while the noise scale along the
+    way read 8. The law fitted to the two runs predicts 125 updates at 128, where the first run and
+    its noise scale alone would say 212.5 (S_min 300 / 1.5 = 200, times 1 + 8 / 128)."""
+    runs = [sync_run(tmp_path / "b16", 16, 300 * 16), sync_run(tmp_path / "b64", 64, 150 * 64)]
+    fit = read_learning(runs, ("accuracy", 0.9))
+    assert fit.noise_scale == pytest.approx(32) and fit.fitted_updates == (16, 64)
+    assert fit.updates_at(128) == pytest.approx(125) and fit.updates_at(16) == pytest.approx(300)
+    assert "critical batch 32 fitted to runs at 16, 64" in fit.describe()
+    one = read_learning(runs[:1], ("accuracy", 0.9))
+    assert one.updates_at(128) == pytest.approx(300 / 1.5 * (1 + 8 / 128))  # the noise scale's reading
+    # more images at the larger update and more updates too: no law of this form
+    bad = [runs[0], sync_run(tmp_path / "worse", 64, 400 * 64)]
+    with pytest.raises(ModelError, match="do not follow S = S_min"):
+        read_learning(bad, ("accuracy", 0.9))

@@ -21,6 +21,10 @@ for the configuration (predict.py), up to the largest staleness an emulator run 
 updates can diverge, which a factor fitted below it does not say. Rounds of asynchronous all-reduce
 are not predicted.
 
+The noise scale measured along one run can under-read the batch the law needs (a BN-free network on
+digits read 8.6 images where its runs' updates fell as for a larger one). Synchronous runs at two or
+more update sizes give the law's critical batch directly: S is a line in 1 / B (fitted()).
+
 How sure (bands.py): several synchronous runs of one configuration, seeds, give their median
 images to the target and noise scale, and their spread (max - min) / median, a half-width of
 spread / 2 on the updates as a profile's spread gives. A target accuracy p read on n test images
@@ -67,6 +71,7 @@ class Learning:
     seeds: int = 1  # synchronous runs of the one configuration
     seed_spread: float = 0.0  # their images to the target: (max - min) / median
     eval_error: float = 0.0  # the test set's standard error on the target accuracy, as a fraction of the images
+    fitted_updates: tuple[int, ...] = ()  # update sizes the law was fitted to (fitted()); () = one, with its noise scale
 
     def band(self) -> float:
         """The relative half-width of the updates to the target: the seeds' spread / 2 and the
@@ -86,8 +91,10 @@ class Learning:
                                                          f"staleness, up to staleness {self.staleness_max:.1f}")
         seeds = f", {self.seeds} seeds spread {self.seed_spread:.0%}" if self.seeds > 1 else ""
         evals = f", test-set error +-{self.eval_error:.1%} of the images" if self.eval_error else ""
-        return (f"{what} {value:g} after {self.images} images at {self.update} images per update, gradient noise "
-                f"scale {self.noise_scale:.0f}{cost}{seeds}{evals} ({self.source})")
+        scale = (f"critical batch {self.noise_scale:.0f} fitted to runs at {', '.join(map(str, self.fitted_updates))} "
+                 "images per update" if self.fitted_updates else f"gradient noise scale {self.noise_scale:.0f}")
+        return (f"{what} {value:g} after {self.images} images at {self.update} images per update, {scale}"
+                f"{cost}{seeds}{evals} ({self.source})")
 
 
 def _read_run(run_dir: Path, target: tuple[str, float]):
@@ -153,8 +160,8 @@ def synchronous(sync: list, runs: list[Path], target: tuple[str, float]) -> Lear
                          "seeds of one (with emulator runs beside it, if any)")
     updates = {images_per_update(read[0]) for _, read in sync}
     if len(updates) > 1:
-        raise ModelError(f"--learning: synchronous runs at {', '.join(map(str, sorted(updates)))} images per update; "
-                         "several synchronous runs are seeds of one configuration")
+        return fitted([synchronous([r for r in sync if images_per_update(r[1][0]) == u], runs, target)
+                       for u in sorted(updates)])
     images, noises, errors = [], [], []
     for run_dir, (cfg, rows, summary, reached) in sync:
         noise = [r["noise_scale"] for r in rows
@@ -170,6 +177,30 @@ def synchronous(sync: list, runs: list[Path], target: tuple[str, float]) -> Lear
     return Learning(target, middle, updates.pop(), statistics.median(noises), ", ".join(str(d) for d, _ in sync),
                     test_images=sync[0][1][2].get("test_images", 0), seeds=len(sync),
                     seed_spread=(max(images) - min(images)) / middle, eval_error=statistics.median(errors))
+
+
+def fitted(points: list[Learning]) -> Learning:
+    """The law fitted to synchronous runs at two or more update sizes B_i (each the median of its
+    seeds): S = S_min + S_min B_crit / B is a line in 1 / B, so least squares gives S_min (its
+    intercept) and B_crit (slope over intercept), the critical batch the runs themselves show, in
+    place of the noise scale measured along the way (which reads low on some networks). The
+    Learning is the fit's at the smallest update, its noise_scale B_crit; its spread the largest of
+    the points' seeds' spreads and of the fit's residuals."""
+    xs = [1 / p.update for p in points]
+    ys = [p.images / p.update for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    s_min = my - slope * mx
+    where = ", ".join(f"{p.update} ({p.source})" for p in points)
+    if s_min <= 0 or slope < 0:
+        raise ModelError(f"--learning: runs at {where} images per update do not follow S = S_min (1 + B_crit / B) "
+                         f"(fit: S_min {s_min:.0f}, slope {slope:.0f}): a larger update should take fewer updates, "
+                         "but not fewer images; check that each trained with optim.scale_lr = noise")
+    crit, low = slope / s_min, points[0]
+    residual = max(abs(s_min * (1 + crit / p.update) / (p.images / p.update) - 1) for p in points)
+    return replace(low, images=round(s_min * (1 + crit / low.update) * low.update), noise_scale=crit,
+                   source=f"law fitted to {len(points)} update sizes: {where}", fitted_updates=tuple(p.update for p in points),
+                   seeds=sum(p.seeds for p in points), seed_spread=max([residual * 2, *(p.seed_spread for p in points)]))
 
 
 def eval_error(rows: list[dict[str, Any]], target: tuple[str, float], reached: int, test_images: int) -> float:
