@@ -22,7 +22,7 @@ from .launch import early, env as launch_env, flags, preflight, slurm, supervise
 from .launch.env import plan_for
 from .launch.join import exit_now
 from .models import check_network
-from .perfmodel import commands
+from .perfmodel import calibrate_slurm, commands
 from .perfmodel.recommend import OBJECTIVES
 from .pipeline import planned_split
 from .plan import format_table, node_line
@@ -168,6 +168,13 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--no-input", action="store_true", help="skip the input rate (images/s a loader core reads, "
                     "decodes and augments from the recipe's data.root; measured by default where that holds "
                     "image files): input_rate stays 0 and predictions leave loading out")
+    ca.add_argument("--slurm", action="store_true", help="write a Slurm job of 2 nodes that calibrates: the one-node "
+                    "figures on its first node, the network's between its two (srun); script and logs in OUT's "
+                    "folder, OUT-slurm/ (run it where the recipe's data.root and OUT's folder are on every node)")
+    ca.add_argument("--partition", default="", help="--slurm: the job's partition")
+    ca.add_argument("--time", default="", help="--slurm: the job's time limit, e.g. 01:00:00")
+    ca.add_argument("--submit", action="store_true", help="--slurm: submit the script with sbatch")
+    ca.add_argument("--wait", action="store_true", help="with --submit: wait for the job, exit with its status")
     return p
 
 
@@ -198,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         return _twin(args)
     if args.command == "report":
         return report.main(args)
+    if args.command == "calibrate" and (args.slurm or args.partition or args.time or args.submit or args.wait):
+        if not args.slurm:
+            print("scaletrain: error: --partition, --time, --submit and --wait go with --slurm", file=sys.stderr)
+            return 2
+        return calibrate_slurm.slurm_command(args.recipe, args.overrides, args.out, args.steps, args.runs,
+                                             args.no_input, args.partition, args.time, args.submit, args.wait)
     if args.command == "calibrate":
         return commands.calibrate_command(args.recipe, args.overrides, args.out, args.steps, args.runs,
                                           args.no_input)

@@ -44,12 +44,14 @@ Without a GPU every process of a local job shares this host's cores
 (shared_cores = the core count) and nodes talk through loopback, so the
 point-to-point figures stand for the network too. On a GPU machine, the
 all-reduce runs on the GPUs (NCCL) and the network figures are still those
-of this host's loopback: measure them between two nodes, or edit them.
+of this host's loopback: measure them between two nodes, or edit them. The
+network's pair runs over the cluster twin's link (cluster.network = netns) or
+between two Slurm nodes (calibrate in a 2-node job's batch step) instead: see
+net_where.py; the loopback pair then gives the bandwidth inside a node alone.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -59,82 +61,21 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..config import Config
 from ..errors import ProfileError
-from ..launch.local import free_port
 from ..metrics import pinned, sync
 from ..optim import build_optimizer
 from ..run import run_training
 from ..job import pick_device
 from .costs import ring_allreduce_s
 from .input_rate import input_measure, input_text, input_unmeasured
+from .net_where import BIG_MIN, LOOPBACK, SMALL, alpha_beta, measure_comm, net_figures, place, timed as _timed
 from .predict import predict
 from .profile import Profile, load_profile
 from .rounds import rounds
 from .setup import param_numels
 from .trust import busy_flags, load_flags, machine_now, spread_flags
-
-SMALL = 1  # elements of the latency message (4 bytes)
-# Elements of the bandwidth message, at least: a small gradient's transfer takes about as long
-# as the 4-byte message, and the difference of the two is noise. The PS job's fit (below) puts
-# the transfers of the gradient's real size in their place.
-BIG_MIN = 4_000_000
-
-
-def _timed(fn, reps: int) -> float:
-    """Median seconds of fn() over reps runs, after two unmeasured ones."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _comm_worker(rank: int, world: int, port: int, numel: int, out: str, backend: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        result = {}
-        for n in (SMALL, numel):
-            t = torch.zeros(n, device=device)
-            if world == 2 and backend == "gloo":
-                def ping_pong():  # point-to-point: rank 0 sends, rank 1 answers
-                    if rank == 0:
-                        dist.send(t, 1)
-                        dist.recv(t, 1)
-                    else:
-                        dist.recv(t, 0)
-                        dist.send(t, 0)
-                result[f"p2p_{n}"] = _timed(ping_pong, 20) / 2  # one way
-            def reduce():
-                dist.all_reduce(t)  # collective over every process
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            result[f"ar_{n}"] = _timed(reduce, 20)
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_comm(world: int, numel: int, backend: str = "gloo") -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "comm.json")
-        mp.spawn(_comm_worker, args=(world, free_port("127.0.0.1"), numel, out, backend), nprocs=world)
-        return json.loads(Path(out).read_text())
-
-
-def alpha_beta(t_small: float, t_big: float, nbytes: float) -> tuple[float, float]:
-    """Latency and bandwidth of one message from the time of a tiny and of an nbytes one."""
-    return t_small, nbytes / max(t_big - t_small, 1e-12)
-
 
 def ring_alpha_beta(n: int, t_small: float, t_big: float, nbytes: float) -> tuple[float, float]:
     """Solve t = 2(n-1)(alpha + nbytes / (n beta)) for the tiny and the big all-reduce."""
@@ -247,6 +188,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     rate is one of them where the recipe's images are files here (input_measure) and
     `measure_input`; else it stays 0, and a line says why."""
     numel = sum(param_numels(cfg.model))
+    where, cfg = place(cfg, numel)  # the network's pair: loopback, the twin, or two Slurm nodes (net_where.py)
     gpu = pick_device(cfg).type == "cuda"
     emulated = cfg.train.emulate_compute_s > 0
     cores = os.cpu_count() or 1
@@ -272,6 +214,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
         # emulated step sleeps the same whatever the batch.
         **({} if emulated else {"job1_other_batch": lambda: job(cfg.replace(**{"data.batch_size": b_other}), 1)}),
         "p2p": lambda: measure_comm(2, big),
+        **({"net": where.run} if where else {}),
         **({} if n == 2 and backend == "gloo" else {"allreduce": lambda: measure_comm(n, big, backend)}),
         **({} if gpu else {"job2": lambda: job(cfg, 2), "ps_job": lambda: job(cfg, 1, **PS_JOB)}),
     }
@@ -286,7 +229,7 @@ def calibrate(cfg: Config, warmup: int = 5, steps: int = 30, runs: int = 3, say=
     after = machine_now()
     flags = spread_flags(spreads)
     host = {"device": device, "gpus": torch.cuda.device_count() if gpu else 0, "cores": cores,
-            "allreduce_over": n, "big_elements": big, "other_batch": b_other}
+            "allreduce_over": n, "big_elements": big, "other_batch": b_other, **(where.host() if where else {})}
     prof, about = derive(cfg, m, host, say)
     about.update(source=f"scaletrain calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}",
                  torch=torch.__version__, runs=runs, host=host,
@@ -339,7 +282,8 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
         f"{ibw / 1e9:.2f} GB/s")
     about: dict[str, Any] = {
         "device": device, "cores": cores,
-        "note": "network figures are this host's loopback" + ("" if not gpu else "; measure between nodes")
+        "note": f"network figures: {host.get('network', LOOPBACK)}" + ("" if not gpu or "network" in host
+                                                                       else "; measure between nodes")
         + (f"; compute emulated: train.emulate_compute_s = {cfg.train.emulate_compute_s}" if emulated else "")}
     if not gpu:
         # The 2-replica job's all-reduce beyond the microbenchmark's is charged to its bytes: on one
@@ -372,7 +316,7 @@ def derive(cfg: Config, m: dict[str, dict[str, float]], host: dict, say=print) -
             "in the microbenchmark")
         prof = replace(prof, net_bandwidth=bw / f, local_bandwidth=bw / f)
         about["transfer_load"] = round(f, 4)
-    return prof, about
+    return net_figures(prof, about, m, host, say)
 
 
 def rederive(path: Path, cfg: Config, say=print) -> tuple[Profile, dict]:
