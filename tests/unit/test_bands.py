@@ -81,6 +81,11 @@ def test_a_single_calibrations_measurements_map_to_the_fields_they_set():
                        "intra_bandwidth": 0.4, "optimizer_s": 0.04, "ps_apply_rate": 0.04}
     # with an all-reduce over more processes measured, the pair's all-reduce sets nothing
     assert "intra_bandwidth" not in field_spreads({"spread": {"p2p.ar_4000000": 0.4, "allreduce.ar_1": 0.1}})
+    # with the pair placed across the network (the twin, two Slurm nodes), the network's figures are
+    # that pair's, and the loopback pair's spread reaches only local_bandwidth
+    placed = field_spreads({"spread": {"p2p.p2p_1": 0.05, "p2p.p2p_4000000": 0.2, "net.p2p_1": 0.02,
+                                       "net.p2p_3000000": 0.1}})
+    assert placed == {"net_latency": 0.02, "net_bandwidth": 0.1, "local_bandwidth": 0.2}
 
 
 def test_recommend_says_when_the_best_two_are_within_each_others_bands():

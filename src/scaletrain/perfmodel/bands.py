@@ -51,13 +51,16 @@ MEASURE_FIELDS = {
     "input.images_per_s": ("input_rate",),
 }
 SIZED = {("p2p", "p2p"): ("net_latency", ("net_bandwidth", "local_bandwidth")),
+         ("net", "p2p"): ("net_latency", ("net_bandwidth",)),
          ("allreduce", "ar"): ("intra_latency", ("intra_bandwidth",))}
 
 
-def measure_fields(key: str, ring_measured: bool) -> tuple[str, ...]:
+def measure_fields(key: str, ring_measured: bool, net_measured: bool = False) -> tuple[str, ...]:
     """The profile fields derived from the measurement `key` (NAME.FIGURE). The 2-process
     pair also times an all-reduce, which sets the intra-node figures only where no all-reduce
-    over more processes was measured (`ring_measured`)."""
+    over more processes was measured (`ring_measured`). Where the pair was also placed across
+    the network (`net_measured`: the twin's link, two Slurm nodes; net_where.py), the network's
+    figures come from that pair ("net.p2p_N") and the loopback pair keeps only local_bandwidth."""
     if key in MEASURE_FIELDS:
         return MEASURE_FIELDS[key]
     name, _, figure = key.partition(".")
@@ -67,6 +70,8 @@ def measure_fields(key: str, ring_measured: bool) -> tuple[str, ...]:
     if (name, kind) not in SIZED or not size.isdigit():
         return ()
     small, big = SIZED[(name, kind)]
+    if name == "p2p" and net_measured:
+        return () if int(size) == 1 else ("local_bandwidth",)
     return (small,) if int(size) == 1 else big
 
 
@@ -77,11 +82,12 @@ def field_spreads(about: dict) -> dict[str, float]:
     table = about.get("spread") or {}
     floats = {f.name for f in fields(Profile) if f.type in (float, "float")}
     ring = any(k.startswith("allreduce.") for k in table)
+    net = any(k.startswith("net.") for k in table)
     out: dict[str, float] = {}
     for key, spread in table.items():
         if not isinstance(spread, (int, float)) or isinstance(spread, bool) or spread <= 0:
             continue
-        for name in (measure_fields(key, ring) if "." in key else (key,)):
+        for name in (measure_fields(key, ring, net) if "." in key else (key,)):
             if name in floats:
                 out[name] = max(out.get(name, 0.0), float(spread))
     return out
