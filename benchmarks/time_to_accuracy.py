@@ -23,7 +23,8 @@ launches them; the 1-node rows are the inputs and are left out of the error.
 Two estimates of the law's batch are set side by side: the gradient noise scale measured along the
 1-node run (predicted_updates, error), and the critical batch the law itself fits to the 1-node run
 and one more at FIT_BATCH images an update, trained by the jobs' lr rule (predicted_updates_fit,
-error_fit; statistical.fitted). --model trains another network: tta_nets:plain_cnn is a BN-free
+error_fit; statistical.fitted), each with a band (the seeds' predictions, each widened by its
+test set's error) and whether the measured mean lies inside it (coverage). --model trains another network: tta_nets:plain_cnn is a BN-free
 one, not used while the method was developed.
 
     python benchmarks/time_to_accuracy.py [--seeds 3] [--target 0.93] [--model tta_nets:plain_cnn] [--save]
@@ -84,6 +85,14 @@ class Runs:
         print(f"{name}: target after {s['images_to_target']} images, staleness {s.get('staleness_mean') or 0:.2f}, "
               f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         return run_dir
+
+
+def seeds_band(learned: list, update: int, staleness: float) -> list[float]:
+    """The band of the predicted updates: the seeds' predictions from lowest to highest, each edge
+    widened by that seed's own half-width (its test set's error, Learning.band)."""
+    low = min(x.updates_at(update, staleness) * (1 - x.band()) for x in learned)
+    high = max(x.updates_at(update, staleness) * (1 + x.band()) for x in learned)
+    return [round(low, 1), round(high, 1)]
 
 
 def updates_to_target(run_dir: Path, update: int) -> float:
@@ -154,14 +163,18 @@ def main() -> None:
             predicted = statistics.median(x.updates_at(update, stale_of) for x in learned)
             by_fit = statistics.median(x.updates_at(update, stale_of) for x in fits)
             mean = statistics.fmean(measured)
+            band, band_fit = seeds_band(learned, update, stale_of), seeds_band(fits, update, stale_of)
             rows.append({"strategy": name, "nodes": n, "images_per_update": update, "measured_updates": measured,
                          "measured_mean": round(mean, 1), "measured_min": min(measured), "measured_max": max(measured),
                          "staleness_mean": round(tau, 2), "predicted_updates": round(predicted, 1),
                          "error": round(predicted / mean - 1, 3), "predicted_updates_fit": round(by_fit, 1),
-                         "error_fit": round(by_fit / mean - 1, 3), "input": n == 1,
+                         "error_fit": round(by_fit / mean - 1, 3), "band": band, "band_fit": band_fit,
+                         "inside": band[0] <= mean <= band[1], "inside_fit": band_fit[0] <= mean <= band_fit[1],
+                         "input": n == 1,
                          "beyond_emulator": tau > 1.05 * min(x.staleness_max for x in learned)})
     scored = [abs(r["error"]) for r in rows if not r["input"] and "error" in r]
     scored_fit = [abs(r["error_fit"]) for r in rows if not r["input"] and "error_fit" in r]
+    banded = [r for r in rows if not r["input"] and "band" in r]
     out = {"benchmark": "time_to_accuracy", **run_info(torch.device("cpu")), "cores": os.cpu_count(),
            "target_accuracy": args.target, "seeds": args.seeds,
            "batch_per_replica": BATCH, "lr": args.lr, "noise_scale_mean": round(noise, 1),
@@ -173,6 +186,8 @@ def main() -> None:
            "median_abs_error": round(statistics.median(scored), 3), "max_abs_error": round(max(scored), 3),
            "median_abs_error_fit": round(statistics.median(scored_fit), 3),
            "max_abs_error_fit": round(max(scored_fit), 3),
+           "coverage": round(sum(r["inside"] for r in banded) / len(banded), 3),
+           "coverage_fit": round(sum(r["inside_fit"] for r in banded) / len(banded), 3),
            "seconds": round(time.monotonic() - t0), "rows": rows,
            "command": "python benchmarks/time_to_accuracy.py " + " ".join(sys.argv[1:])}
     print(json.dumps(out, indent=1))
