@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from scaletrain.config import load_config
 from scaletrain.metrics import git_commit, run_info
@@ -39,35 +38,9 @@ from scaletrain.perfmodel.cluster import Cluster, profile_for
 from scaletrain.perfmodel.layers import step_cost
 from scaletrain.perfmodel.predict import predict
 
+from catalogue_nets import resnext101_32x4d  # noqa: F401  (model.name catalogue_nets:resnext101_32x4d)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Block(nn.Module):
-    """ResNeXt's bottleneck (Xie et al. 2017, v1.5 stride in the grouped 3x3), as DeepLearningExamples builds it."""
-
-    def __init__(self, cin: int, width: int, cout: int, stride: int, groups: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False), nn.BatchNorm2d(width),
-            nn.ReLU(inplace=True), nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
-        self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                      if stride != 1 or cin != cout else nn.Identity())
-
-    def forward(self, x):
-        return torch.relu(self.body(x) + self.short(x))
-
-
-def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
-    layers, groups, base = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-                            nn.MaxPool2d(3, 2, 1)], 32, 4
-    cin = 64
-    for i, (n, planes) in enumerate(zip((3, 4, 23, 3), (64, 128, 256, 512))):
-        width = groups * base * planes // 64
-        for j in range(n):
-            layers.append(_Block(cin, width, planes * 4, 2 if (j == 0 and i > 0) else 1, groups))
-            cin = planes * 4
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
 
 
 # (GPU, its NVLink Gbit/s each way a GPU, recipe precision, batch per GPU, published 8-GPU img/s, table)
@@ -94,7 +67,11 @@ def node_check(gpu: str, link: float, precision: str, batch: int, published: flo
             "inside": band[0] <= published <= band[1], "source": gpus.DLE.format(table).replace("1 GPU", "8 GPUs")}
 
 
-NETWORKS = {"resnet50": "resnet50", "resnext101-32x4d": "gpu_catalogue:resnext101_32x4d"}
+# One factor serves every batch: this row, the H200's ResNet-50 in bf16 at a quarter of its fitted
+# batch (gpu_rates.py, the same run), shows what that costs at small batches.
+BATCH_CHECKS = (gpus.Point("h200-141gb", "half", "resnet50", 64, 3497.9, gpus.OWN_H200),)
+
+NETWORKS = {"resnet50": "resnet50", "resnext101-32x4d": "catalogue_nets:resnext101_32x4d"}
 
 
 def cost(point: gpus.Point, cache: dict):
@@ -129,6 +106,13 @@ def main() -> int:
                        "error": round(got / p.images_per_s - 1, 4),
                        "flops_only_predicted": round(flops_only, 1),
                        "flops_only_error": round(flops_only / p.images_per_s - 1, 4), "source": p.source})
+    batch_checks = []
+    for p in BATCH_CHECKS:
+        c, g = cost(p, cache), gpus.gpu(p.gpu)
+        got = p.batch / gpus.step_s(c, g, p.mode, gpus.factor(g, p.mode)[0])
+        batch_checks.append({"gpu": p.gpu, "mode": p.mode, "model": p.model, "batch": p.batch,
+                             "measured": p.images_per_s, "predicted": round(got, 1),
+                             "error": round(got / p.images_per_s - 1, 4), "source": p.source})
     nodes = [node_check(*row) for row in NODE_CHECKS]
     errors = [abs(c["error"]) for c in checks]
     flops_errors = [abs(c["flops_only_error"]) for c in checks]
@@ -137,6 +121,7 @@ def main() -> int:
            "held_out_error": {"median": round(statistics.median(errors), 4), "max": round(max(errors), 4)},
            "flops_only_held_out_error": {"median": round(statistics.median(flops_errors), 4),
                                          "max": round(max(flops_errors), 4)},
+           "batch_checks": batch_checks,
            "node_checks": nodes,
            "node_error": {"median": round(statistics.median(abs(n["error"]) for n in nodes), 4),
                           "max": round(max(abs(n["error"]) for n in nodes), 4)},

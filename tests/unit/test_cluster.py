@@ -59,7 +59,7 @@ def test_a_network_not_fitted_to_is_priced_by_its_bytes(tmp_path):
     roofline lands within 15% of the published 1,211 img/s, where FLOPs alone would say 36% less."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        cfg = load_config(None, ["model.name=gpu_catalogue:resnext101_32x4d", "model.num_classes=1000"])
+        cfg = load_config(None, ["model.name=catalogue_nets:resnext101_32x4d", "model.num_classes=1000"])
         cost = step_cost(cfg.model, 224, 128, half=True)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))

@@ -53,6 +53,9 @@ CATALOGUE = {g.name: g for g in (
         "NVIDIA A100 data sheet (SXM4 80GB): 19.5 TFLOP/s fp32, 156 tf32, 312 bf16/fp16 dense, 2,039 GB/s HBM2e"),
     GPU("h100-80gb", 80 * 2**30, 3350 * GB, {"fp32": 67 * TB, "tf32": 494.7 * TB, "half": 989.4 * TB},
         "NVIDIA H100 data sheet (SXM5): 67 TFLOP/s fp32, 495 tf32, 989 bf16/fp16 dense, 3.35 TB/s HBM3"),
+    GPU("h200-141gb", 141 * 10**9, 4800 * GB, {"fp32": 67 * TB, "tf32": 494.7 * TB, "half": 989.4 * TB},
+        "NVIDIA H200 data sheet (SXM): the H100's compute (67 TFLOP/s fp32, 495 tf32, 989 bf16 dense), 141 GB "
+        "HBM3e at 4.8 TB/s"),
 )}
 
 
@@ -74,6 +77,8 @@ STUDY = "the study's one-node rate (shared reference): 124.18 img/s on 4 K80 die
 OWN_H100 = ("benchmarks/results/gpu-check-2026-11-25T1705Z-b5cc5ab.json, overhead_workers8: this project's bare "
             "loop, median of 3, bf16 channels-last, 8 loader processes; the loaders may have bounded it, so a low "
             "estimate")
+OWN_H200 = ("benchmarks/results/gpu-rates-2026-11-27T1600Z-h200.json (benchmarks/gpu_rates.py): this project's "
+            "bare step on a batch already on the GPU, median of 3 windows of 15 steps, torch 2.11 + CUDA 13")
 POINTS = (
     Point("k80", "fp32", "resnet50", 32, 124.18 / 4, STUDY),
     Point("v100-16gb", "fp32", "resnet50", 112, 367, DLE.format("resnet50v1.5")),
@@ -83,6 +88,8 @@ POINTS = (
     Point("a100-80gb", "tf32", "resnet50", 256, 938, DLE.format("resnet50v1.5")),
     Point("a100-80gb", "half", "resnet50", 256, 2470, DLE.format("resnet50v1.5")),
     Point("h100-80gb", "half", "resnet50", 64, 2928.96, OWN_H100),
+    Point("h200-141gb", "half", "resnet50", 256, 4716.3, OWN_H200),
+    Point("h200-141gb", "tf32", "resnet50", 256, 2219.4, OWN_H200),
 )
 CHECKS = (  # held out: never fitted to
     Point("v100-16gb", "fp32", "resnext101-32x4d", 64, 147, DLE.format("resnext101-32x4d")),
@@ -91,11 +98,14 @@ CHECKS = (  # held out: never fitted to
     Point("v100-32gb", "half", "resnext101-32x4d", 128, 565, DLE.format("resnext101-32x4d")),
     Point("a100-80gb", "tf32", "resnext101-32x4d", 128, 456, DLE.format("resnext101-32x4d")),
     Point("a100-80gb", "half", "resnext101-32x4d", 128, 1211, DLE.format("resnext101-32x4d")),
+    Point("h200-141gb", "half", "resnext101-32x4d", 128, 2268.8, OWN_H200),
+    Point("h200-141gb", "tf32", "resnext101-32x4d", 128, 1080.3, OWN_H200),
 )
 
 # Achieved fraction of the roofline, per GPU and mode: `python benchmarks/gpu_catalogue.py` fits
 # them to POINTS (tests/unit/test_cluster.py checks these equal its fit). H100 tf32 has no point;
-# it takes the H100's half factor times the A100's tf32/half ratio, and says so (DERIVED).
+# it takes the H100's half factor times the H200's tf32/half ratio (the same GH100 chip, measured
+# alike), and says so (DERIVED). The A100's ratio (0.76) would put the H200's tf32 19% below its measured rate.
 FACTOR = {
     ("k80", "fp32"): 0.2456,
     ("v100-16gb", "fp32"): 0.798,
@@ -105,8 +115,10 @@ FACTOR = {
     ("a100-80gb", "tf32"): 0.4308,
     ("a100-80gb", "half"): 0.5692,
     ("h100-80gb", "half"): 0.3646,
+    ("h200-141gb", "half"): 0.431,
+    ("h200-141gb", "tf32"): 0.4042,
 }
-DERIVED = {("h100-80gb", "tf32"): (("h100-80gb", "half"), ("a100-80gb", "tf32"), ("a100-80gb", "half"))}
+DERIVED = {("h100-80gb", "tf32"): (("h100-80gb", "half"), ("h200-141gb", "tf32"), ("h200-141gb", "half"))}
 
 
 def gpu(name: str) -> GPU:
