@@ -22,6 +22,7 @@ import tomli_w
 
 from .config_checks import ROOTS, check_relations  # noqa: F401 - ROOTS: doctor's and preflight's, as config's
 from .errors import ConfigError
+from .imports import name_or_path
 from .recipe_values import parse_augment, parse_data_name, parse_lines, parse_model_name
 from .strategies.traits import REGISTRY
 
@@ -80,17 +81,35 @@ class DataConfig:
     synthetic_size: int = opt(4096, "synthetic: images per epoch (1..10^8)", lo=1, hi=100_000_000)
 
 
+# optim.name's built-in optimizers (optim.py); any other name is a class by import path.
+OPTIMIZERS = ("sgd", "rmsprop-tf", "adamw", "lars", "lamb")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = opt("sgd", "optimizer: rmsprop-tf (TensorFlow 1.x RMSProp) | sgd (with momentum)",
-                    choices=("rmsprop-tf", "sgd"))
+    name: str = opt("sgd", "optimizer: rmsprop-tf (TensorFlow 1.x RMSProp) | sgd (with momentum) | adamw | lars | "
+                    "lamb (decoupled weight decay, none on biases and normalisation; lars and lamb adapt each layer's "
+                    "step by its trust ratio) | package.module:Class, a torch.optim.Optimizer of your own, called "
+                    "as Class(params, lr=optim.lr, **optim.args) (under a PS, over each shard's flat slice)",
+                    parse=name_or_path(OPTIMIZERS, "a built-in optimizer"))
     lr: float = opt(0.1, "peak learning rate (0..10)", lo=0.0, hi=10.0)
     momentum: float = opt(0.9, "momentum (0..<1); rmsprop-tf applies it to the scaled update as TF does",
                           lo=0.0, hi=0.999999)
     decay: float = opt(0.9, "rmsprop-tf: decay of the mean-square accumulator (0..<1)", lo=0.0, hi=0.999999)
     eps: float = opt(1.0, "rmsprop-tf: epsilon, inside the square root as in TF 1.x (>0)", lo=1e-12, hi=1e3)
-    weight_decay: float = opt(1e-4, "L2 term added to the loss: wd/2 * sum of squared weights (0..1)",
+    weight_decay: float = opt(1e-4, "sgd, rmsprop-tf and a class of yours: an L2 term added to the loss, wd/2 * sum "
+                              "of squared conv and linear weights; adamw, lars, lamb: decoupled, applied by the "
+                              "optimizer (not biases or normalisation), and no L2 term in the loss (0..1)",
                               lo=0.0, hi=1.0)
+    beta1: float = opt(0.9, "adamw, lamb: decay of the gradient's running mean (0..<1)", lo=0.0, hi=0.999999)
+    beta2: float = opt(0.999, "adamw, lamb: decay of the squared gradient's running mean (0..<1)", lo=0.0,
+                       hi=0.999999)
+    adaptive_eps: float = opt(1e-8, "adamw, lamb: epsilon added to the root of the second moment; lars: to the "
+                              "trust ratio's denominator (>0)", lo=1e-12, hi=1.0)
+    trust_coefficient: float = opt(0.001, "lars: the trust coefficient eta of a layer's ratio eta*|w|/(|g| + "
+                                   "wd*|w|) (>0..1)", lo=1e-9, hi=1.0)
+    args: dict = opt({}, "optim.name = package.module:Class: its keyword arguments besides params and lr, a table "
+                     "[optim.args] ({} = none)")
     schedule: str = opt("constant", "learning-rate schedule after warm-up: constant | step | cosine",
                         choices=("constant", "step", "cosine"))
     warmup_steps: int = opt(0, "linear warm-up from 0 to lr, steps (>=0)", lo=0, hi=10**9)
@@ -104,6 +123,11 @@ class OptimConfig:
                                lo=1, hi=10**7)
     noise_scale: float = opt(0.0, "the gradient noise scale for scale_lr = noise, in images: a measured run's "
                              "summary.json noise_scale (>0 with that rule)", lo=0.0, hi=1e9)
+
+    def __post_init__(self) -> None:
+        if self.args and self.name in OPTIMIZERS:
+            raise ConfigError(f"optim.args = {self.args!r}: the keyword arguments of a class of yours (optim.name = "
+                              f"package.module:Class); optim.name = {self.name!r} takes none")
 
 
 @dataclass(frozen=True)

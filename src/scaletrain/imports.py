@@ -1,4 +1,5 @@
-"""Objects a recipe names by import path, "package.module:attr" (a user's network or dataset factory).
+"""Objects a recipe names by import path, "package.module:attr" (a user's network or dataset factory,
+an optimizer class).
 
 The path is checked for its form when the config is read (no import then: config validation
 loads no torch and no user code), and imported where it is used; every failure is a ConfigError
@@ -43,3 +44,13 @@ def import_path(key: str, path: str, error: type[ConfigError] = ConfigError):
         except AttributeError:
             raise error(f"{key} = {path!r}: module {module} has no attribute {attr!r}") from None
     return obj
+
+
+def name_or_path(names: tuple[str, ...], what: str):
+    """A config key's parser (config.opt's parse) for a key that takes one of `names` or an import path:
+    the value itself, or ValueError saying both forms. Only the form is checked: config imports nothing."""
+    def parse(value):
+        if not isinstance(value, str) or value in names or is_import_path(value):
+            return value  # not a string: the type check says so
+        raise ValueError(f"not {what} ({', '.join(names)}) nor an import path package.module:Class")
+    return parse

@@ -72,7 +72,7 @@ def test_each_shipped_node_profile_loads():
     for path in sorted(NODES.glob("*.toml")):
         c, about = load_cluster(path)
         assert gpus.gpu(c.gpu) and about["name"]
-    assert {p.stem for p in NODES.glob("*.toml")} >= {"k80", "v100", "a100", "h100"}
+    assert {p.stem for p in NODES.glob("*.toml")} >= {"k80", "v100", "a100", "h100", "h200"}
 
 
 @pytest.mark.parametrize("text, says", [

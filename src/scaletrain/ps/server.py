@@ -60,14 +60,14 @@ from .. import checkpoint, pipeline, schedule
 from ..comm import p2p
 from ..comm.liveness import HEARTBEAT_S, STALE_S
 from ..data import build_datasets
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..models import build_model
-from ..optim import build_optimizer, compensate, lr_at, staleness_scale, state_keys
+from ..optim import LAYERED, build_optimizer, compensate, is_class_path, lr_at, probe, staleness_scale, state_keys
 from ..schedule import Schedule
 from ..stats import HIST_BINS
 from ..strategies import traits
 from . import protocol as P
-from .sharding import gather, make_layout
+from .sharding import Piece, gather, make_layout, pieces
 
 log = logging.getLogger("scaletrain")
 
@@ -86,7 +86,9 @@ class Shard:
         shards = traits.stage_shards(cfg, index % cfg.parallel.stages)
         self.layout = make_layout([p.numel() for p in params], len(shards), cfg.cluster.sharding)
         self.values = torch.nn.Parameter(gather(params, self.layout.shards[shards.index(index)]).clone())
-        self.optimizer = build_optimizer(cfg.optim, [self.values])
+        # where each layer's piece lies in `values`, and whether it is a bias or a norm (sharding.Piece)
+        self.pieces = pieces(self.layout.shards[shards.index(index)], [tuple(p.shape) for p in params])
+        self.optimizer, self.stepped, self.spans = shard_optimizer(cfg, self.values, self.pieces)
         self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
         self.push_images, self.update_images = push_images, update_images
         self.pushers, self.active, self.lost, self.ctx = list(pushers), set(pushers), set(), ctx
@@ -301,7 +303,8 @@ class Shard:
         s = self.schedule
         for g in self.optimizer.param_groups:
             g["lr"] = lr_scale * lr_at(self.cfg.optim, s.step_of(self.images), s.steps, self.update_images)
-        self.values.grad = grad
+        for t, (a, n) in zip(self.stepped, self.spans):  # views: no copy
+            t.grad = grad if t is self.values else grad[a:a + n]
         self.optimizer.step()
         self.version += 1
         self.applied += 1
@@ -352,9 +355,14 @@ class Shard:
                 self._take(src, version, requests)
 
     def state(self) -> list[torch.Tensor]:
-        """The values, then the optimizer state tensors (none before the first update)."""
-        st = self.optimizer.state.get(self.values, {})
-        return [self.values.detach()] + [st[k] for k in state_keys(self.cfg.optim) if st]
+        """The values, then the optimizer state tensors, each the shard's size (none before the first
+        update): pieces' state laid end to end as their values are."""
+        sts = [self.optimizer.state.get(t, {}) for t in self.stepped]
+        if not sts or not sts[0]:
+            return [self.values.detach()]
+        keys = state_keys(self.cfg.optim)
+        return [self.values.detach()] + [sts[0][k] if len(sts) == 1 else torch.cat([st[k] for st in sts])
+                                         for k in keys]
 
     def _send_state(self, dst: int) -> None:
         # Checkpoint traffic: not counted in the per-step bytes.
@@ -373,10 +381,44 @@ class Shard:
             self.values.copy_(values)
         for w in self.sent.values():  # every pusher resumes from these values
             w.copy_(values)
-        if saved["optimizer"]:
-            self.optimizer.state[self.values] = {k: v.clone() for k, v in saved["optimizer"].items()}
         self.version = saved["version"]
+        if saved["optimizer"]:
+            for t, (a, n) in zip(self.stepped, self.spans):
+                self.optimizer.state[t] = {k: v[a:a + n].clone() for k, v in saved["optimizer"].items()}
+            self._restore_steps()
         self.images = saved.get("images", self.version * self.update_images)  # older checkpoints: derived
+
+    def _restore_steps(self) -> None:
+        """A step count is no tensor of the shard's size, so the snapshot has none: it is the shard's
+        version (one optimizer step an update). adamw and lamb keep it in the param group; a class of the
+        user's may keep a 0-d "step" a parameter, as torch's do. Other 0-d state cannot be restored."""
+        for group in self.optimizer.param_groups:
+            if "step" in group:
+                group["step"] = self.version
+        if not is_class_path(self.cfg.optim.name):
+            return
+        scalars = probe(self.cfg.optim)[1]
+        if set(scalars) - {"step"}:
+            raise CheckpointError(f"optim.name = {self.cfg.optim.name!r} keeps 0-d state "
+                                  f"{sorted(set(scalars) - {'step'})} that a PS shard's snapshot does not hold")
+        for t in self.stepped:
+            self.optimizer.state[t].update({k: torch.tensor(float(self.version)) for k in scalars})
+
+
+def shard_optimizer(cfg, values: torch.nn.Parameter, parts: tuple[Piece, ...]):
+    """(the shard's optimizer, the tensors it steps, where each lies in `values`). adamw, lars and lamb step
+    each piece as a parameter of its own, a view of `values`, so that a layer's norms and its exclusion
+    from decay are its own; sgd, rmsprop-tf (elementwise) and a class of the user's step the one flat
+    slice. A layer cut between shards has norms no shard can take: refused for lars and lamb."""
+    o = cfg.optim
+    if o.name not in LAYERED or not parts:
+        return build_optimizer(o, [values]), [values], [(0, values.numel())]
+    if LAYERED[o.name].LAYERWISE and not all(q.whole for q in parts):
+        raise ConfigError(f"optim.name = {o.name!r} scales each layer by its norms, and cluster.sharding = "
+                          f"{cfg.cluster.sharding!r} cuts layers between the {cfg.cluster.num_ps} PS shards: set "
+                          "cluster.sharding = 'round-robin' (whole tensors on each shard)")
+    views = [torch.nn.Parameter(values.detach()[q.offset:q.offset + q.size]) for q in parts]  # share its memory
+    return build_optimizer(o, views, [q.excluded for q in parts]), views, [(q.offset, q.size) for q in parts]
 
 
 def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:

@@ -12,13 +12,15 @@ model order. Two methods:
   and a 2.46M-value classifier, more than a fair share at 16 PS (1.6M), so no
   whole-tensor assignment, greedy or otherwise, gets max/mean below ~1.5 there.
   Contiguous ranges also keep the segment count small (at most P - 1 tensors
-  are cut).
+  are cut). A cut tensor's norm is no shard's to take: optimizers that scale
+  each layer by its norms (lars, lamb) need whole tensors, round-robin.
 
 Pure tensor code: no communication here.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,26 @@ def make_layout(numels: list[int], num_shards: int, method: str) -> ShardLayout:
                             for i, (s, n) in enumerate(zip(starts, numels))
                             if max(a, s) < min(b, s + n)))
     return ShardLayout(tuple(shards))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A segment as a shard's optimizer sees it: where it lies in the shard's flat tensor, and what it
+    is of its parameter. adamw, lars and lamb step each piece as a parameter of its own (optim.py)."""
+    offset: int     # first element in the shard's flat tensor
+    size: int       # elements
+    excluded: bool  # of a bias or normalisation parameter (ndim <= 1): no weight decay, no trust ratio
+    whole: bool     # the whole parameter, so that the piece's norms are its layer's
+
+
+def pieces(shard: tuple[Segment, ...], shapes: list[tuple[int, ...]]) -> tuple[Piece, ...]:
+    """The shard's segments as Pieces; `shapes`: every parameter's shape, in model order."""
+    out, off = [], 0
+    for s in shard:
+        numel = math.prod(shapes[s.param])
+        out.append(Piece(off, s.hi - s.lo, len(shapes[s.param]) <= 1, s.lo == 0 and s.hi == numel))
+        off += s.hi - s.lo
+    return tuple(out)
 
 
 def gather(tensors: list[torch.Tensor], shard: tuple[Segment, ...], out: torch.Tensor | None = None) -> torch.Tensor:
