@@ -79,6 +79,12 @@ class DataConfig:
                       "device: nvJPEG through torchvision on a GPU, libjpeg-turbo on a CPU device; docs/data.md)",
                       choices=("loader", "device"))
     synthetic_size: int = opt(4096, "synthetic: images per epoch (1..10^8)", lo=1, hi=100_000_000)
+    mixup_alpha: float = opt(0.0, "mixup: each training image blended with a partner of its batch, weight drawn "
+                             "from Beta(alpha, alpha), targets mixed alike (0 = off; 0..100; docs/training.md)",
+                             lo=0.0, hi=100.0)
+    cutmix_alpha: float = opt(0.0, "CutMix: a box of each training image replaced by its partner's, area share "
+                              "from Beta(alpha, alpha); with mixup_alpha too, each batch takes one of the two "
+                              "with probability 0.5 (0 = off; 0..100)", lo=0.0, hi=100.0)
 
 
 # optim.name's built-in optimizers (optim.py); any other name is a class by import path.
@@ -153,6 +159,8 @@ class TrainConfig:
                            "measures the gradient noise scale every this many steps, by one more backward of the "
                            "first half of its batch through job.loss (0 = never; a group measures it every step "
                            "at no cost)", lo=0, hi=10**6)
+    label_smoothing: float = opt(0.0, "training targets: 1 - this on the class, plus this spread evenly over "
+                                 "every class, as soft targets (0 = off; 0..<1)", lo=0.0, hi=0.999999)
     warmup_log_steps: int = opt(2, "first job steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))

@@ -64,6 +64,11 @@ def check_relations(cfg) -> None:
             if value:
                 raise ConfigError(f"train.{key} = {value}: train.emulate_compute_s = {t.emulate_compute_s} trains on "
                                   f"made-up gradients, so nothing is evaluated; set train.{key} = 0")
+        for key, value in (("data.mixup_alpha", d.mixup_alpha), ("data.cutmix_alpha", d.cutmix_alpha),
+                           ("train.label_smoothing", t.label_smoothing)):
+            if value:
+                raise ConfigError(f"{key} = {value}: train.emulate_compute_s = {t.emulate_compute_s} reads no data "
+                                  f"to mix or smooth; set {key} = 0")
     if (t.target_accuracy or t.target_loss) and not t.eval_every:
         raise ConfigError("train.target_accuracy / train.target_loss are checked at evaluations: "
                           "set train.eval_every > 0")

@@ -48,6 +48,7 @@ from .errors import REPORTED, ConfigError, RunError
 from .job_env import default_run_dir, joining
 from .launch import env as launch_env, join, supervise
 from .metrics import start_up
+from .mixing import Mixer
 from .noise import NoiseScale, half_batch, squared_norm
 from .optim import build_optimizer, decayed, loss_fn, lr_at
 from .pipeline import Pipeline
@@ -246,13 +247,17 @@ class Job:
         """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
         until the job's target is reached (or a stop: should_stop). Each needs one job.step() before the
         next. From a resumed checkpoint they go on where it stopped. Under train.emulate_compute_s no data
-        is read: each batch is None (compute.Emulated)."""
+        is read: each batch is None (compute.Emulated). With train.label_smoothing, data.mixup_alpha or
+        data.cutmix_alpha, x is mixed and y is soft targets, N x model.num_classes probabilities, which
+        cross_entropy takes as it takes class indices (mixing.py)."""
         self._wrapped("batches")
         cfg, ctx, t = self.cfg, self.ctx, self.tracker
         emulated = bool(cfg.train.emulate_compute_s)
+        replica = ctx.plan.replica_of(ctx.me)  # a pipeline's stages share it: they mix their batch alike
+        mixer = Mixer(cfg, replica)
         loader = None if emulated else iter(train_loader(
             self.train_set, cfg, self.schedule.step_of(self.tick.images), None, world=ctx.plan.replicas,
-            rank=ctx.plan.replica_of(ctx.me), pin=self.device.type == "cuda")[0])
+            rank=replica, pin=self.device.type == "cuda")[0])
         try:
             while not self.tick.stop:
                 if self._pending:
@@ -266,6 +271,8 @@ class Job:
                         raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
                                         "a distributed step needs at least one; see the warnings above")
                     continue
+                if mixer.on and batch is not None:  # on the device, keyed by the job step: a resumed run mixes alike
+                    batch = mixer(batch, self.schedule.step_of(self.tick.images))
                 self._images = cfg.data.batch_size if emulated else len(batch[1])
                 self._pending = True
                 t.compute_time.start()
@@ -284,7 +291,8 @@ class Job:
         no host sync), with .grad holding the gradient. With parallel.stages > 1 they are the pipeline
         schedule's, micro-batch by micro-batch through every stage, and a loop must call this (the module
         job.wrap returns cannot be called on a batch): each stage passes the batch it was given, the first
-        using x and the last y, and gets the whole loss."""
+        using x and the last y (soft targets too: every stage of a replica mixes its batch alike), and gets
+        the whole loss."""
         self._wrapped("forward_backward")
         if self.pipeline:
             self._forwards += 1
@@ -330,8 +338,10 @@ class Job:
     def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The recipe's loss of a batch, the built-in loop's: cross-entropy plus optim.weight_decay / 2
         times the sum of squares of the weights it decays (optim.decayed: not biases or normalisation
-        scales). A loop may use its own; under parameter servers a loss's decay is the only one (the
-        shards' optimizer has none of its own)."""
+        scales). y: class indices, or the soft targets batches() gives with label smoothing or mixing.
+        A loop may use its own; under parameter servers a loss's decay is the only one (the shards'
+        optimizer has none of its own). Every train.noise_every steps it also measures the gradient of
+        the first half of the batch (noise.half_batch) toward the same targets, soft ones included."""
         self._wrapped("loss")
         wd = self.cfg.optim.weight_decay
         if self._split_every and self._steps % self._split_every == 0 and output.requires_grad and len(y) >= 2:

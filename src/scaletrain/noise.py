@@ -126,7 +126,9 @@ def squared_norm(tensors) -> torch.Tensor:
 
 def half_batch(loss_fn, output: torch.Tensor, y: torch.Tensor, params) -> torch.Tensor:
     """The squared norm of the gradient of loss_fn over the first half of the batch (output, y), by a
-    backward that keeps the graph for the loop's own (retain_graph): one backward's compute."""
+    backward that keeps the graph for the loop's own (retain_graph): one backward's compute. y's rows
+    are the half's own targets, class indices or soft ones (mixing.py): a mixed batch's first half
+    mixes only its own images, so it is a mixed batch of half the size."""
     half = len(y) // 2
     grads = torch.autograd.grad(loss_fn(output[:half], y[:half]), params, retain_graph=True, allow_unused=True)
     return squared_norm(grads)

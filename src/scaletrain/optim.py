@@ -287,7 +287,9 @@ def decayed(model: nn.Module) -> list[torch.Tensor]:
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor, decayed_params: list[torch.Tensor],
             weight_decay: float) -> torch.Tensor:
-    """Cross-entropy plus weight_decay/2 * sum of squares (TF's l2_loss)."""
+    """Cross-entropy plus weight_decay/2 * sum of squares (TF's l2_loss). target: class indices, or
+    class probabilities N x classes (mixing.py's soft targets: label smoothing, mixup, CutMix), each
+    row's cross-entropy then -sum(p log softmax), as torch's cross_entropy computes for either."""
     loss = nn.functional.cross_entropy(logits, target)
     if weight_decay and decayed_params:
         # One fused pass over all weights (about 25M values for ResNet-50),

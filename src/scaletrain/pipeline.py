@@ -224,7 +224,8 @@ class Pipeline:
         stage = PipelineStage(wrapped, self.stage, self.S, self.device, input_args=meta(self.in_shape, self.in_dtype),
                               output_args=meta(self.out_shape, self.out_dtype), group=self.group)
         kind = Schedule1F1B if self.cfg.parallel.schedule == "1f1b" else ScheduleGPipe
-        # scale_grads: the micro-batches' gradients are summed, then divided by their count: the batch's mean
+        # scale_grads: the micro-batches' gradients are summed, then divided by their count: the batch's mean. y: class
+        # indices or soft targets (mixing.py), cut into micro-batches along the batch as x is
         self.schedule = kind(stage, self.M, loss_fn=lambda out, y: nn.functional.cross_entropy(out.float(), y),
                              scale_grads=True)
         self.to_none = grads_to_none(wrapped)
