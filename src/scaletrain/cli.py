@@ -14,25 +14,17 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import doctor, twin
 from .config import field_docs, load_config
-from .data.shards import pack, parse_size
 from .errors import REPORTED, ConfigError, GridError, LaunchError, UntilError
-from .launch import early, env as launch_env, flags, preflight, slurm, supervise, torchrun
-from .launch.env import plan_for
-from .launch.join import exit_now
-from .models import check_network
-from .perfmodel import calibrate_slurm, commands
-from .perfmodel.recommend import OBJECTIVES
-from .pipeline import planned_split
+from .launch import early, env as launch_env, torchrun
+from .launch.env import plan_for, run_dir_for
+from .perfmodel import OBJECTIVES
 from .plan import format_table, node_line
-from .run import run_dir_for, run_training, warn_slow_input
-from .rundir import prepare_run_dir
-from .study import bench, learning, report
-from .study.bench import IMPOSED
 from .study.grid import cells, parse_grid
-from .study.learning import parse_until
-from .twin import faults
+
+# Everything else a command needs is imported where the command runs: torch and most of the
+# package load only for commands that train, measure or model (`keys`, `plan` and --help load
+# neither, and answer in a fraction of a second).
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -200,18 +192,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:28s} {doc}")
         return 0
     if args.command == "doctor":
+        from . import doctor
         return doctor.main(args)
     if args.command == "twin":
         return _twin(args)
     if args.command == "report":
+        from .study import report
         return report.main(args)
     if args.command == "calibrate" and (args.slurm or args.partition or args.time or args.submit or args.wait):
         if not args.slurm:
             print("scaletrain: error: --partition, --time, --submit and --wait go with --slurm", file=sys.stderr)
             return 2
+        from .perfmodel import calibrate_slurm
         return calibrate_slurm.slurm_command(args.recipe, args.overrides, args.out, args.steps, args.runs,
                                              args.no_input, args.partition, args.time, args.submit, args.wait)
     if args.command == "calibrate":
+        from .perfmodel import commands
         return commands.calibrate_command(args.recipe, args.overrides, args.out, args.steps, args.runs,
                                           args.no_input)
     if args.command == "predict":
@@ -220,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scaletrain: error: {_ignored_flag(args)}", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.recipe, [*args.overrides, *(IMPOSED if args.command == "bench" else ())])
+        imposed: tuple[str, ...] = ()
+        if args.command == "bench":
+            from .study.bench import IMPOSED as imposed
+        cfg = load_config(args.recipe, [*args.overrides, *imposed])
     except ConfigError as e:
         print(f"scaletrain: config error: {e}", file=sys.stderr)
         return 2
@@ -228,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print("scaletrain: --resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
     if args.command in ("bench", "study"):
+        from .study import bench, learning
         return (bench if args.command == "bench" else learning).main(args)
 
     run_dir = None
@@ -239,14 +239,18 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, cfg, run_dir)
         if args.command == "slurm":
             return _slurm(args, cfg, run_dir)
+        from .run import run_training
         summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
     except REPORTED as e:
+        from .launch import supervise
         return supervise.report(e, run_dir)
     if summary:  # a worker of a torchrun or srun job other than the chief has none: the chief reports
         print(f"run dir: {run_dir}")
         print(summary_line(summary))
+        from .run import warn_slow_input
         warn_slow_input(summary, cfg)
     if launch_env.in_torchrun() or launch_env.in_slurm_step():
+        from .launch.join import exit_now
         exit_now(0)  # a job's process, its work done: no interpreter teardown (launch/join.exit_now)
     return 0
 
@@ -265,6 +269,8 @@ def _ignored_flag(args) -> str | None:
 
 def _predict(args) -> int:
     """`predict`, `predict --recommend` or `predict --validate`; only the first reads --grid."""
+    from .perfmodel import commands
+    from .study.learning import parse_until
     if args.validate:
         return commands.validate_command(args.profile, args.validate, args.out, args.format)
     try:
@@ -285,6 +291,7 @@ def _predict(args) -> int:
 def _twin(args) -> int:
     """`twin clean`: what killed jobs' twins left, removed; `twin test`: a 2-node twin's measured link, as JSON;
     `twin down|up|slow RUN_DIR --node K`: a running job's network fault (twin/faults.py)."""
+    from . import twin
     if twin.privileges():
         print(f"scaletrain: error: {twin.privileges()}", file=sys.stderr)
         return 2
@@ -313,6 +320,7 @@ def _twin_fault(args) -> str:
                                         ("--gbps G", args.gbps if args.action == "slow" else 0)) if given is None]
     if missing:
         raise LaunchError(f"twin {args.action} needs {' and '.join(missing)}")
+    from .twin import faults
     if args.action == "slow":
         return faults.slow(args.run_dir, args.node, args.gbps)
     return faults.link(args.run_dir, args.node, up=args.action == "up")
@@ -324,6 +332,7 @@ def _plan(args, cfg, run_dir: Path) -> int:
     if args.format == "table":
         print(format_table(plan, c.master_addr, c.master_port))
         if cfg.parallel.stages > 1:
+            from .pipeline import planned_split
             print("\n" + planned_split(cfg))
     elif args.format == "json":
         print(json.dumps({"nodes_total": plan.nodes_total, "world_size": plan.world_size,
@@ -334,12 +343,14 @@ def _plan(args, cfg, run_dir: Path) -> int:
         if plan.nodes_total > 1 and c.master_addr in ("127.0.0.1", "localhost"):
             print("# on separate machines, set cluster.master_addr to node 1's host name", file=sys.stderr)
     else:
+        from .launch import slurm
         train_args = ["--recipe", str(Path(args.recipe).resolve()), *(a for o in args.overrides for a in ("--set", o))]
         print(slurm.script(cfg, run_dir, train_args), end="")
     return 0
 
 
 def _pack(args, cfg) -> int:
+    from .data.shards import pack, parse_size
     try:
         size = parse_size(args.shard_size)
     except ValueError as e:
@@ -355,6 +366,9 @@ def _pack(args, cfg) -> int:
 
 
 def _slurm(args, cfg, run_dir: Path) -> int:
+    from .launch import flags, preflight, slurm
+    from .models import check_network
+    from .rundir import prepare_run_dir
     cfg = preflight.absolute_paths(cfg, Path.cwd())  # every node reads them, from wherever the job runs
     if args.setup:
         cfg = cfg.replace(**{"cluster.setup": [*cfg.cluster.setup, *args.setup]})

@@ -13,7 +13,6 @@ fails is started again from its newest checkpoint.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +35,6 @@ log = logging.getLogger("scaletrain")
 # crop and normalisation in the training process), and where the loaders share the CPUs with
 # training, that hand-over alone can take a tenth of a small model's step from a loader that keeps up.
 SLOW_INPUT = 0.25
-
-
-def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
-    """--run-dir, or runs/RECIPE-TIME. Every process of a torchrun/srun job must be told
-    the same one: each would stamp its own time."""
-    if given:
-        return Path(given)
-    if cfg.distributed and (launch_env.in_torchrun() or launch_env.in_slurm_step()):
-        raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
-    return Path(f"runs/{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def warn_slow_input(summary: dict[str, Any], cfg) -> None:

@@ -103,8 +103,11 @@ def test_imports_point_down_the_layers():
 
 
 def test_function_local_imports_are_third_party_with_a_reason():
+    """Except the command line's: it is the top (nothing imports it, so a late import there hides no
+    cycle) and imports each command's modules where the command runs, so that `keys` and `plan` load
+    no torch (test_cli_light.py)."""
     bad = [f"{a}:{n}: {line.strip()}" for a, b, n, inside, line in _imports()
-           if inside and (b.startswith("scaletrain") or "#" not in line)]
+           if inside and a != "scaletrain.cli" and (b.startswith("scaletrain") or "#" not in line)]
     assert not bad, "function-local imports of our own modules, or without a reason:\n" + "\n".join(bad)
 
 

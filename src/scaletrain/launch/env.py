@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,3 +188,13 @@ def _slurm_rendezvous(plan: Plan, master_port: int, env) -> Rendezvous:
     job = env.get("SLURM_JOB_ID", "0")
     port = int(env.get("SCALETRAIN_PORT") or master_port or slurm_port(job))  # run_job's, where it started the step
     return Rendezvous(rank, world, hosts[0], port, f"slurm-{job}", "slurm")
+
+
+def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
+    """--run-dir, or runs/RECIPE-TIME. Every process of a torchrun/srun job must be told
+    the same one: each would stamp its own time."""
+    if given:
+        return Path(given)
+    if cfg.distributed and (in_torchrun() or in_slurm_step()):
+        raise LaunchError("under torchrun or srun every process must be given the same --run-dir")
+    return Path(f"runs/{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -91,7 +91,6 @@ def candidates(cfg: Config, total: int) -> list[Config]:
     return out
 
 
-OBJECTIVES = ("throughput", "efficiency", "time-to-accuracy")
 
 
 def value(row: dict[str, Any], objective: str) -> float:
