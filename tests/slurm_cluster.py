@@ -7,8 +7,9 @@ Install (Debian 12: Slurm 22.05.8, munge 0.5.15; needs root), e.g. as a `make sl
 Use:     with Cluster() as c: c.start(tmp_path); subprocess.run(["sbatch", "--wait", ...], env=c.env)
 By hand: python tests/slurm_cluster.py up DIR; SLURM_CONF=DIR/slurm.conf sinfo; ... down DIR
 
-node1..node4 are four slurmd processes on 127.0.0.1:17001-17004 (slurmctld on 16817, so one
-cluster at a time per machine). Each declares Cluster(cpus=...) CPUs (8 unless told) whatever the
+node1..node4 are four slurmd processes on 127.0.0.1, slurmctld on the port below theirs: five
+consecutive ports free when the cluster starts (free_ports), so a cluster already up (a user's,
+another test's) is left alone. Each declares Cluster(cpus=...) CPUs (8 unless told) whatever the
 hardware has, and Cluster(gpus=...) GPUs that Slurm counts and hands out (CUDA_VISIBLE_DEVICES,
 SLURM_STEP_GPUS) with nothing behind them; the partition hands out whole nodes, so
 `sbatch --nodes=N` alone is enough for `srun --ntasks-per-node=k`. Config, munge key and socket, state, spool and logs all live in
@@ -23,7 +24,7 @@ HOSTS_LINE = "127.0.0.1 node1 node2 node3 node4  # tests/slurm_cluster.py"
 CONF = """\
 ClusterName=emulated
 SlurmctldHost={host}
-SlurmctldPort=16817
+SlurmctldPort={port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -58,7 +59,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # slurmd takes CPUs/RealMemory from this file even though the machine has fewer cores.
 SlurmdParameters=config_overrides
-{gres_types}NodeName=node[1-4] NodeHostname={host} NodeAddr=127.0.0.1 Port=17001-17004 CPUs={cpus} RealMemory=1024{gres}
+{gres_types}NodeName=node[1-4] NodeHostname={host} NodeAddr=127.0.0.1 Port={port1}-{port4} CPUs={cpus} RealMemory=1024{gres}
 PartitionName=debug Nodes=node[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE
 """
 
@@ -74,6 +75,26 @@ def binding():
     if (CPUSET / "cpuset.cpus").exists() and os.access(CPUSET, os.W_OK):
         return "task/cgroup,task/affinity", "CgroupPlugin=cgroup/v1\nConstrainCores=yes\n"
     return "task/affinity", ""
+
+
+def free_ports(first=17000, last=27000, span=5):
+    """The lowest of `span` consecutive TCP ports on 127.0.0.1 that nothing listens on or holds,
+    searched upwards from `first`: bound one by one to be sure, then released for the daemons."""
+    base = first
+    while base + span <= last:
+        socks = []
+        try:
+            for port in range(base, base + span):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            base = port + 1  # past the port that is taken
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {span} consecutive free ports between {first} and {last}")
 
 
 def available():
@@ -99,10 +120,7 @@ class Cluster:
 
     def start(self, workdir, timeout=60.0):
         wd = self.workdir = Path(workdir).resolve()
-        for port in (16817, 17001, 17002, 17003, 17004):  # would clash with a running cluster
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    raise RuntimeError(f"port {port} in use: is a cluster up already? (`down DIR`)")
+        port = free_ports()
         for d in ["munge", "state", "run", "log"] + [f"spool/{n}" for n in NODES]:
             (wd / d).mkdir(parents=True, exist_ok=True)
         key = wd / "munge" / "key"
@@ -113,7 +131,8 @@ class Cluster:
             dict(gres_types="", gres="")
         task_plugin, cgroup = binding()
         (wd / "slurm.conf").write_text(CONF.format(host=socket.gethostname().split(".")[0], wd=wd, cpus=self.cpus,
-                                                   task_plugin=task_plugin, **gres))
+                                                   task_plugin=task_plugin, port=port, port1=port + 1,
+                                                   port4=port + 4, **gres))
         (wd / "cgroup.conf").write_text(cgroup)  # read from slurm.conf's directory
         # slurmd 22.05 drops a GPU with no File= ("Removing file-less GPU") and logs an error for a
         # File= that is no device: so each fake GPU is a character device node like /dev/null's.
