@@ -23,6 +23,7 @@ import tomli_w
 from .config_checks import ROOTS, check_relations  # noqa: F401 - ROOTS: doctor's and preflight's, as config's
 from .errors import ConfigError
 from .imports import name_or_path
+from .loggers import parse_loggers
 from .recipe_values import parse_augment, parse_data_name, parse_lines, parse_model_name
 from .strategies.traits import REGISTRY
 
@@ -155,6 +156,9 @@ class TrainConfig:
                                     "since the last checkpoint (0 = off), seconds", lo=0.0, hi=1e7)
     keep_checkpoints: int = opt(2, "complete checkpoints kept on disk (1..100)", lo=1, hi=100)
     log_every: int = opt(10, "write a metrics row every this many job steps (1..10^6)", lo=1, hi=10**6)
+    loggers: list = opt(["tensorboard"], "where the chief's metrics rows go besides RUN_DIR/metrics.jsonl, which "
+                        "is always written (report, plots and restarts read it): a list of tensorboard | a class "
+                        "of yours as package.module:Class ([] = metrics.jsonl only)", parse=parse_loggers)
     noise_every: int = opt(0, "a replica with no group to average with (one process, or one per node under a PS) "
                            "measures the gradient noise scale every this many steps, by one more backward of the "
                            "first half of its batch through job.loss (0 = never; a group measures it every step "

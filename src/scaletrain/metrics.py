@@ -1,8 +1,7 @@
-"""The job clock (throughput with uncertainty), JSONL rows, TensorBoard, progress."""
+"""The job clock (throughput with uncertainty), run facts, progress (the rows' loggers: loggers.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -194,25 +193,6 @@ class JobClock:
                 "slowest_window_fraction": min(rates) / med,
                 "timed_windows": len(rates),
                 "data_wait_fraction": sum(w for _, _, w in self.windows) / seconds}
-
-
-class Recorder:
-    """metrics.jsonl rows and TensorBoard scalars of the run (the chief writes them)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # heavy (tensorboard): only the chief writes events
-        self.fh = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash keeps rows
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
-
-    def row(self, kind: str, step: int, **values: Any) -> None:
-        self.fh.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **values}) + "\n")
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("epoch", "wall"):
-                self.tb.add_scalar(f"{kind}/{k}", v, step)
-
-    def close(self) -> None:
-        self.fh.close()
-        self.tb.close()
 
 
 LAUNCHED = "SCALETRAIN_LAUNCHED"  # environment: when the launcher started the job (time.time())

@@ -26,7 +26,8 @@ from . import checkpoint, stats
 from .comm.liveness import CHECKPOINT, STOP
 from .data import Batch, DataError, test_loader
 from .device import not_applied
-from .metrics import DeviceTimer, JobClock, Progress, Recorder, peak_memory, sync
+from .loggers import Loggers
+from .metrics import DeviceTimer, JobClock, Progress, peak_memory, sync
 from .replicas import evaluate, replica_buffers
 from .optim import state_keys
 from .plan import lost_nodes
@@ -52,7 +53,7 @@ class Tracker:
         self.best, self.bad = (resumed.best, resumed.bad) if resumed else (None, set())
         self.images0 = self.last_point = resumed.images if resumed else 0
         self.clock = JobClock(self.images0, cfg.train.warmup_log_steps * sched.step_images)
-        self.rec = Recorder(run_dir) if self.chief else None
+        self.rec = Loggers(run_dir, cfg.train.loggers) if self.chief else None
         self.writer = checkpoint.Writer(run_dir / "checkpoints", cfg.train.keep_checkpoints) if self.chief else None
         self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
                             every=cfg.train.log_every)
