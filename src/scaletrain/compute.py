@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import metrics
-from .optim import decayed, loss_fn
+from .optim import decayed, loss_decay, loss_fn
 
 # Small enough that SGD and RMSProp stay finite over millions of steps of the same gradient.
 EMULATED_SCALE = 1e-3
@@ -131,7 +131,7 @@ class Backprop:
         """loss(output, y): the batch's loss (the job's, job.loss; by default the recipe's, optim.loss_fn)."""
         self.model, self.optimizer = model, optimizer
         if loss is None:
-            wd_params, weight_decay = decayed(model), cfg.optim.weight_decay
+            wd_params, weight_decay = decayed(model), loss_decay(cfg.optim)
             loss = lambda out, y: loss_fn(out.float(), y, wd_params, weight_decay)  # noqa: E731
         self.loss = loss
         self.to_none = grads_to_none(model)

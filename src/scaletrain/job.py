@@ -50,7 +50,7 @@ from .launch import env as launch_env, join, supervise
 from .metrics import start_up
 from .mixing import Mixer
 from .noise import NoiseScale, half_batch, squared_norm
-from .optim import build_optimizer, decayed, loss_fn, lr_at
+from .optim import build_optimizer, decayed, loss_decay, loss_fn, lr_at
 from .pipeline import Pipeline
 from .replicas import load_replica_buffers
 from .resume import newest_checkpoint, resume_from
@@ -338,12 +338,12 @@ class Job:
     def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The recipe's loss of a batch, the built-in loop's: cross-entropy plus optim.weight_decay / 2
         times the sum of squares of the weights it decays (optim.decayed: not biases or normalisation
-        scales). y: class indices, or the soft targets batches() gives with label smoothing or mixing.
+        scales; no such term under adamw, lars and lamb, which decay in the optimizer: optim.loss_decay). y: class indices, or the soft targets batches() gives with label smoothing or mixing.
         A loop may use its own; under parameter servers a loss's decay is the only one (the shards'
         optimizer has none of its own). Every train.noise_every steps it also measures the gradient of
         the first half of the batch (noise.half_batch) toward the same targets, soft ones included."""
         self._wrapped("loss")
-        wd = self.cfg.optim.weight_decay
+        wd = loss_decay(self.cfg.optim)
         if self._split_every and self._steps % self._split_every == 0 and output.requires_grad and len(y) >= 2:
             self._half_sq = half_batch(lambda out, lab: loss_fn(out.float(), lab, self._decayed, wd), output, y,
                                        self.strategy.params)

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .compute import autocast, grads_to_none
 from .errors import ConfigError, RunError
 from .metrics import DeviceTimer, sync
+from .optim import loss_decay
 from .pipeline_split import (balance, layers, merge_in_place, meta_split, named_starts,  # noqa: F401 - theirs
                              planned_split, stage_module)
 from .ps.protocol import TAG_SPLIT
@@ -255,7 +256,7 @@ class Pipeline:
                 self.schedule.step(target=y, losses=losses, return_outputs=False)
             else:
                 self.schedule.step()
-        wd = self.cfg.optim.weight_decay
+        wd = loss_decay(self.cfg.optim)
         loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         if wd and self.decayed:  # the loss's 0.5 wd |w|^2 of this stage's weights, and its gradient
             with torch.no_grad():

@@ -22,6 +22,7 @@ from .launch import early, entry, supervise
 from .launch import env as launch_env
 from .loop import train
 from .models import check_network
+from .optim import is_class_path, probe
 from .rundir import prepare_run_dir
 
 log = logging.getLogger("scaletrain")
@@ -74,6 +75,8 @@ def run_training(cfg, run_dir: Path, resume: bool = False, progress: bool = True
                           "launcher); under torchrun or Slurm the nodes have a network of their own: set it to loopback")
     if not (cfg.distributed and member):  # a process of a job meets its peers, and they stop together
         early.check(run_dir)  # a stop signal during start-up: nothing begun, nothing to checkpoint
+    if not member and is_class_path(cfg.optim.name):
+        probe(cfg.optim)  # an optimizer by import path: built and stepped once on CPU, before any process starts
     if not cfg.distributed:
         check_network(cfg)  # a network by import path: built once and its output checked (models/factory.py)
         return train(cfg, run_dir, resume=resume, progress=progress)

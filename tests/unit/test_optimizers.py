@@ -5,6 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from scaletrain import schedule
+from scaletrain.compute import Backprop
 from scaletrain.config import ConfigError, load_config
 from scaletrain.models import build_model
 from scaletrain.optim import AdamW, Lamb, Lars, build_optimizer, loss_decay, state_keys
@@ -215,3 +216,16 @@ def test_a_checkpointed_optimizer_goes_on_as_one_never_stopped(name, tmp_path):
     run(opt, resumed, steps[2:])
     assert opt.param_groups[0]["step"] == 4
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+@pytest.mark.parametrize("name, decays_in_loss", [("sgd", True), ("adamw", False), ("lamb", False)])
+def test_the_built_in_loss_leaves_decay_to_decoupled_optimizers(name, decays_in_loss):
+    """The built-in loop's loss (compute.Backprop) adds wd/2 |w|^2 only where the optimizer does not
+    decay the weights itself, so none is decayed twice."""
+    cfg = load_config(RECIPES / "digits.toml", [f"optim.name={name}", "optim.weight_decay=0.5"])
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    loss, _ = Backprop(cfg, model, build_optimizer(cfg.optim, model.parameters()))((x, y))
+    plain = torch.nn.functional.cross_entropy(model(x), y)
+    l2 = 0.25 * model.weight.detach().pow(2).sum()
+    assert_close(loss, plain.detach() + (l2 if decays_in_loss else 0))
