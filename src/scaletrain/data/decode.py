@@ -31,9 +31,7 @@ def image_size(data: bytes) -> tuple[int, int]:
             return w, h
         except ValueError:
             pass  # Pillow reads what libjpeg-turbo's header parser refuses, or fails naming why
-    from PIL import Image  # here: only image files need it; a broken install fails just the jobs reading them
-
-    with Image.open(io.BytesIO(data)) as im:
+    with _opened(data) as im:
         return im.size
 
 
@@ -48,12 +46,23 @@ def decode(data: bytes, min_size: tuple[int, int] = (0, 0)) -> np.ndarray:
                                           min_height=min_size[1], strict=True)
         except ValueError:
             pass  # Pillow judges as it always has: benign warnings pass, a truncated stream raises
-    from PIL import Image  # here: only image files need it; a broken install fails just the jobs reading them
-
-    with Image.open(io.BytesIO(data)) as im:
+    with _opened(data) as im:
         if min_size[0] and im.format == "JPEG":
             im.draft("RGB", min_size)
         return np.array(im.convert("RGB"))  # writable, for torch.from_numpy
+
+
+def _opened(data: bytes):
+    """Pillow's image of `data`. Bytes of no format it knows raise UnidentifiedImageError, whose own
+    message names the in-memory buffer (`<_io.BytesIO object at 0x...>`), which says nothing to a
+    user: raised again saying what the bytes are not (the caller names the file)."""
+    from PIL import Image, UnidentifiedImageError  # here: only image files need it (a broken install fails only them)
+
+    try:
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise UnidentifiedImageError(f"not an image of a format Pillow reads (JPEG, PNG, BMP, WebP, ...); "
+                                     f"it starts with {bytes(data[:8])!r}") from None
 
 
 def fit(pixels: torch.Tensor, box: tuple[int, int, int, int], size: int) -> torch.Tensor:

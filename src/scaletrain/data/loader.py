@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from ..config_checks import STOP_SIGNALS
+from ..imports import one_line
 from ..launch.fork import die_with_parent
 from . import decode
 from .augment import Augment, centre, on_device
@@ -103,7 +104,7 @@ class Samples(torch.utils.data.Dataset):
                 x = decode.load(raw, box, self.size) if isinstance(raw, bytes) else \
                     decode.fit(raw, box(raw.shape[1], raw.shape[0]), self.size)
         except Exception as e:  # noqa: BLE001 - any read or decoder failure is a bad image
-            return BadImage(self.base.name(i), f"{type(e).__name__}: {e}")
+            return BadImage(self.base.name(i), one_line(e))
         params = a.device_params(u) if a is not None and a.on_device else None
         if self.encoded:
             return x, y, params, a.moves(u, self.size) if a is not None else (0, 0, 0)
