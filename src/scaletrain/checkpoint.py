@@ -11,10 +11,17 @@ written. Partial files of killed writes are removed at the next save or
 resume. Loading uses weights_only=True only, and a refused file is named with
 its reason in one line; a resume that passes over it renames it NAME.damaged,
 which rotation never deletes. What a resumed run continues from is resume.py's.
+
+A disk the checkpoints fill is full for the rest of the job too: the processes' last lines, the
+notes through which the launcher learns who failed first and its failure record. The writer keeps
+a small reserve file (RESERVE) beside the checkpoints while the run lasts and deletes it when a
+write finds the disk full, so that a chief failing for a full disk is still named as such, not
+taken for a frozen process by peers and a launcher that could not write what they saw.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -36,6 +43,9 @@ from .metrics import pinned, sync
 
 log = logging.getLogger("scaletrain")
 PATTERN = re.compile(r"^ckpt-(\d{8,})\.pt$")
+RESERVE = ".space-reserve"  # in the checkpoint directory while a run writes there (Writer)
+RESERVE_BYTES = 256 * 1024  # a page or two a process for its last lines and notes, for jobs of dozens
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
 DAMAGED = ".damaged"  # suffix of a checkpoint that does not load, set aside: out of PATTERN, no rotation deletes it
 
 
@@ -77,8 +87,10 @@ def write_file(path: Path, data: bytes | memoryview, what: str) -> None:
             free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
         except OSError:
             free = "free space unknown"
-        raise CheckpointError(f"{path}: cannot write {what} ({e.strerror or e}): it needs {len(data):,} bytes, "
-                              f"{free}; the partial file was removed") from None
+        err = CheckpointError(f"{path}: cannot write {what} ({e.strerror or e}): it needs {len(data):,} bytes, "
+                              f"{free}; the partial file was removed")
+        err.errno = e.errno  # a full disk (FULL) frees the writer's reserve
+        raise err from None
 
 
 def save(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
@@ -148,11 +160,13 @@ class Writer:
         self.failed: str | None = None  # the newest write's error
         self._thread: threading.Thread | None = None
         self._first = True
+        self.ended = False  # the run's last checkpoint was submitted: the reserve is kept for the weights' write
 
     def submit(self, step: int, state: dict[str, Any], final: bool = False) -> None:
         """Snapshot `state` now and write it in the background. final: the run's last
         checkpoint, whose failure `finish` reports (and no warning here)."""
         self.join()
+        self.ended = final
         snap = snapshot(state)  # the cost the training loop pays: a copy, not a write
         self._thread = threading.Thread(target=self._write, args=(step, snap, final), name="checkpoint-writer",
                                         daemon=True)
@@ -163,9 +177,12 @@ class Writer:
             if self._first:
                 remove_stale(self.dir)
                 self._first = False
+                self._reserve()
             save(self.dir, step, state, self.keep)
             self.failed = None
         except Exception as e:  # noqa: BLE001 - reported on the main thread, never lost with the thread
+            if final and getattr(e, "errno", None) in FULL:
+                self.release()  # the job ends on it: room for every process's last words (training goes on else)
             self.failed = str(e) if isinstance(e, CheckpointError) else \
                 f"{path_for(self.dir, step)}: cannot write the checkpoint ({type(e).__name__}: {e})"
             if not final:
@@ -176,6 +193,22 @@ class Writer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def _reserve(self) -> None:
+        """Take RESERVE_BYTES of the disk while there is room (a disk already too full for it has none to
+        keep: the run goes on without one). Written, not a sparse file, so the blocks are taken."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / RESERVE).write_bytes(bytes(RESERVE_BYTES))
+        except OSError:
+            self.release()
+
+    def release(self) -> None:
+        """Give the reserve back to the disk."""
+        try:
+            (self.dir / RESERVE).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def finish(self) -> None:
         """Wait for the write in flight; CheckpointError when the newest checkpoint was not written."""

@@ -253,6 +253,8 @@ class Tracker:
             self.rec.close()
         if self.writer:
             self.writer.join()  # the process must not exit halfway through a checkpoint
+            if not self.writer.ended:  # the run failed before its end: room for its last words (summarize's else)
+                self.writer.release()
 
     def summarize(self, tick: Tick, train_images: int, test_images: int) -> dict[str, Any]:
         """Gather every process's figures; the chief writes model.safetensors and summary.json."""
@@ -267,10 +269,19 @@ class Tracker:
             self._note_lost(tick)
         if self.pipeline:  # the other stages' final values into the chief's model, for model.safetensors
             self.pipeline.gather()
-        if self.writer:
-            self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it
-        if not self.chief or self.stopped:  # a stopped run is not over: its checkpoint is its record
-            return {}
+        try:
+            if self.writer:
+                self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it
+            if not self.chief or self.stopped:  # a stopped run is not over: its checkpoint is its record
+                return {}
+            return self._write_summary(tick, job, train_images, test_images)
+        finally:
+            if self.writer:  # kept through the weights' write: room for the last words of a job that fails in it
+                self.writer.release()
+
+    def _write_summary(self, tick: Tick, job: dict[str, Any], train_images: int,
+                       test_images: int) -> dict[str, Any]:
+        """model.safetensors and summary.json (the chief)."""
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
             "wall_seconds": self.clock.wall(), "eval_seconds": self.clock.paused,
