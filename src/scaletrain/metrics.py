@@ -177,9 +177,13 @@ class JobClock:
     def summary(self) -> dict[str, float | None]:
         """images_per_sec with its standard error, jitter and window count; the slowest window's
         rate over the median window's (a stall shows there); train_seconds (to the last tick);
-        images_applied (by this run, warm-up included). With no timed window the rate figures
+        images_applied, the job's progress: what the checkpoint this part resumed from had applied
+        and this part's, as steps and epochs count; part_images_applied, this part's alone (warm-up
+        included). The times and rates are this part's, measured on its clock: a resumed part's
+        images_per_sec x train_seconds is part_images_applied. With no timed window the rate figures
         are None (JSON null): nothing was measured, which a 0.0 would pass off as a measurement."""
-        out = {"train_seconds": self.t, "images_applied": self.images - self.start_images}
+        out = {"train_seconds": self.t, "images_applied": self.images,
+               "part_images_applied": self.images - self.start_images}
         rates = [n / s for n, s, _ in self.windows]
         if not rates:
             return {**out, "images_per_sec": None, "images_per_sec_stderr": None, "images_per_sec_mad": None,
