@@ -24,7 +24,7 @@ from .config_checks import ROOTS, check_relations  # noqa: F401 - ROOTS: doctor'
 from .errors import ConfigError
 from .imports import name_or_path
 from .loggers import parse_loggers
-from .recipe_values import parse_augment, parse_data_name, parse_lines, parse_model_name
+from .recipe_values import DATA_SOURCES, parse_augment, parse_data_name, parse_lines, parse_model_name
 from .strategies.traits import REGISTRY
 
 
@@ -54,7 +54,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = opt("digits", "dataset: digits | synthetic | imagefolder | manifest | shards | package.module:factory "
+    name: str = opt("digits", f"dataset: {' | '.join(DATA_SOURCES)} | package.module:factory "
                     "(a function of yours returning a torch Dataset or (train, test, classes); docs/data.md)",
                     parse=parse_data_name)
     args: dict = opt({}, "data.name = package.module:factory: the factory's keyword arguments, a table "

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from .device import refused
 from .errors import ConfigError
-from .recipe_values import DATA_SOURCES, MODELS
+from .recipe_values import MODELS, SOURCES
 from .strategies.traits import REGISTRY
 
-ROOTS = {"imagefolder": "directory root/CLASS/*.jpg", "manifest": "CSV manifest",
-         "shards": "directory written by scaletrain pack"}
+ROOTS = {name: root for name, root in SOURCES.items() if root}  # the sources that read data.root
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGQUIT", "SIGXCPU")
 
 
@@ -21,11 +20,11 @@ def check_relations(cfg) -> None:
     d = cfg.data
     if d.name in ROOTS and not d.root:
         raise ConfigError(f"data.root is empty: data.name = {d.name!r} needs a {ROOTS[d.name]}")
-    if d.args and d.name in DATA_SOURCES:
+    if d.args and d.name in SOURCES:
         raise ConfigError(f"data.args = {d.args!r}: the keyword arguments of a factory (data.name = "
                           f"package.module:factory); data.name = {d.name!r} takes none")
     for key in ("root", "test_root"):
-        if getattr(d, key) and d.name not in DATA_SOURCES:
+        if getattr(d, key) and d.name not in SOURCES:
             raise ConfigError(f"data.{key} = {getattr(d, key)!r}: data.name = {d.name!r} reads no files of its own; "
                               "give the factory its paths in [data.args]")
     if cfg.optim.scale_lr == "noise" and not cfg.optim.noise_scale > 0:

@@ -27,15 +27,19 @@ def parse_augment(value) -> list[str]:
     return [n for n in AUGMENTATIONS if n in names]
 
 
-# data.name's built-in sources; any other name is a user's factory, package.module:factory (data/user.py).
-DATA_SOURCES = ("digits", "synthetic", "imagefolder", "manifest", "shards")
+# data.name's built-in sources, one row each: what its data.root must name ("" for a source that reads
+# no files of its own). data/build.py's SOURCES makes and checks each; those two rows are the whole of a
+# source's registration. Any other name is a user's factory, package.module:factory (data/user.py).
+SOURCES = {"digits": "", "synthetic": "", "imagefolder": "directory root/CLASS/*.jpg", "manifest": "CSV manifest",
+           "shards": "directory written by scaletrain pack"}
+DATA_SOURCES = tuple(SOURCES)
 
 
 def parse_data_name(value):
     """data.name as given -> itself, when it is a built-in source or has the form package.module:factory;
     ValueError naming what is allowed. Not imported here: config validation runs no user code."""
-    if isinstance(value, str) and value not in DATA_SOURCES and not is_import_path(value):
-        raise ValueError(f"not a dataset; choose one of {', '.join(DATA_SOURCES)}, or a factory of your own "
+    if isinstance(value, str) and value not in SOURCES and not is_import_path(value):
+        raise ValueError(f"not a dataset; choose one of {', '.join(SOURCES)}, or a factory of your own "
                          "as package.module:factory")
     return value
 

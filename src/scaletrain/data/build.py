@@ -7,7 +7,9 @@ import path or a GPU decode without torchvision, the ConfigError) they would mee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,18 +24,9 @@ from .user import user_datasets
 def build_datasets(cfg, run_dir: Path | None = None, check: bool = True
                    ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset, list[str]]:
     """(train, test, class names) for a Config; run_dir and check as for file_lists."""
-    d, n = cfg.data, cfg.model.num_classes
-    if is_import_path(d.name):
+    if is_import_path(cfg.data.name):
         return user_datasets(cfg)
-    if d.name == "digits":
-        _digits_fit(n)
-        return digits(d.image_size)
-    if d.name == "synthetic":
-        return synthetic(d.image_size, n, d.synthetic_size)
-    if d.name == "shards":
-        return open_shards(d.root, n, d.shuffle_buffer)
-    train, test, classes = file_lists(cfg, run_dir, check)
-    return FileDataset(*train), FileDataset(*test), classes
+    return SOURCES[cfg.data.name].make(cfg, run_dir, check)
 
 
 def check_data(cfg, run_dir: Path | None = None) -> None:
@@ -47,14 +40,43 @@ def check_data(cfg, run_dir: Path | None = None) -> None:
         torchvision_io()  # the job's processes will decode on their GPUs: torchvision must import there
     if is_import_path(d.name):
         user_datasets(cfg)
-    elif d.name == "digits":
-        _digits_fit(cfg.model.num_classes)
-    elif d.name == "shards":
-        open_shards(d.root, cfg.model.num_classes, d.shuffle_buffer)
-    elif d.name != "synthetic":
-        file_lists(cfg, run_dir)
+    else:
+        SOURCES[d.name].check(cfg, run_dir)
 
 
 def _digits_fit(num_classes: int) -> None:
     if num_classes < 10:
         raise DataError(f"data.name = 'digits' has 10 classes; model.num_classes = {num_classes} is too small")
+
+
+def _digits(cfg, run_dir: Path | None = None, check: bool = True):
+    _digits_fit(cfg.model.num_classes)
+    return digits(cfg.data.image_size)
+
+
+def _shards(cfg, run_dir: Path | None = None, check: bool = True):
+    return open_shards(cfg.data.root, cfg.model.num_classes, cfg.data.shuffle_buffer)
+
+
+def _files(cfg, run_dir: Path | None = None, check: bool = True):
+    train, test, classes = file_lists(cfg, run_dir, check)
+    return FileDataset(*train), FileDataset(*test), classes
+
+
+@dataclass(frozen=True)
+class Source:
+    make: Callable     # (cfg, run_dir, check) -> (train, test, class names)
+    check: Callable    # (cfg, run_dir) -> None, raising what make would, without reading images
+
+
+# data.name -> its source: with recipe_values.SOURCES (what its data.root must name), a source's whole
+# registration. check: shards open their index (cheap), files are listed and checked, built-ins not made.
+SOURCES = {
+    "digits": Source(_digits, lambda cfg, run_dir: _digits_fit(cfg.model.num_classes)),
+    "synthetic": Source(lambda cfg, run_dir=None, check=True: synthetic(cfg.data.image_size, cfg.model.num_classes,
+                                                                         cfg.data.synthetic_size),
+                        lambda cfg, run_dir: None),
+    "imagefolder": Source(_files, file_lists),
+    "manifest": Source(_files, file_lists),
+    "shards": Source(_shards, _shards),
+}
