@@ -113,12 +113,15 @@ def summarize(rows: list[dict], nodes: int) -> dict:
                 w["staleness_mean"] = float(ssum[w["rank"]] / scount[w["rank"]])
         out.update(_staleness(sum(r["hist"] for r in ps), int(max(r["stale_max"] for r in ps))))
         sizes = [r["shard_bytes"] for r in ps]
+        moved = [int(r["bytes_sent"] + r["bytes_recv"]) for r in ps]
         out.update({
             # every shard sees every push: the shard that dropped most counts the node gradients lost
             "dropped_gradients": int(max(r["dropped"] for r in ps)),
             "dropped_fraction": max(float(r["dropped"] / max(1, r["dropped"] + r["stale_count"].sum())) for r in ps),
             "shard_bytes": {"max": max(sizes), "mean": sum(sizes) / len(sizes),
                             "max_over_mean": max(sizes) * len(sizes) / sum(sizes)},
+            # what the shards sent and received, counted as it went: the load their layout makes
+            "shard_traffic": {"max_over_mean": max(moved) * len(moved) / max(sum(moved), 1)},
             # PS traffic (both directions) of one node in one of its steps (pushers step at their own pace)
             "ps_bytes_per_node_step": sum((r["bytes_sent"] + r["bytes_recv"]) / max(r["steps"], 1)
                                           for r in pushers) / nodes,
