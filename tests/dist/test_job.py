@@ -117,7 +117,8 @@ def test_several_shards_hold_at_every_point_and_resume(tmp_path):
     ckpt = torch.load(tmp_path / "r" / "checkpoints" / "ckpt-00000006.pt", weights_only=True)
     assert ckpt["images"] == 192 and [shard["images"] for shard in ckpt["ps"]] == [192, 192]
     r = run(tmp_path, "r", *setup, "train.steps=10")
-    assert r["start_step"] == 6 and r["steps"] == 10 and r["images_applied"] == 4 * 4 * 8
+    assert r["start_step"] == 6 and r["steps"] == 10 and r["images_applied"] == 10 * 4 * 8
+    assert r["part_images_applied"] == 4 * 4 * 8  # the resumed part's, which its rates are over
     assert {w["stopped_at_images"] for w in r["per_worker"]} == {320}
 
 

@@ -356,8 +356,12 @@ def _nodes(nodes: list[int]) -> str:
 def write_failure(run_dir: Path, plan: Plan, rank: int, what: str, host: str | None = None) -> None:
     """RUN_DIR/logs/failure.json: the process that failed first, for run.py's line and restart."""
     p = plan.procs[rank]
-    (run_dir / "logs" / "failure.json").write_text(json.dumps(
-        {"rank": rank, "role": p.role, "node": p.node, "host": host, "what": what}) + "\n")
+    try:
+        (run_dir / "logs" / "failure.json").write_text(json.dumps(
+            {"rank": rank, "role": p.role, "node": p.node, "host": host, "what": what}) + "\n")
+    except OSError as e:  # a full disk: the failure is still reported, only not recorded for a restart
+        print(f"scaletrain: warning: could not record the failure in {run_dir / 'logs' / 'failure.json'}: "
+              f"{e.strerror or e}", file=sys.stderr)
 
 
 def read_ranks(run_dir: Path, name: str) -> list[int]:
