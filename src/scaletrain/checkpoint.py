@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save as to_bytes
 
 from .config import Config
 from .errors import CheckpointError
@@ -91,6 +92,12 @@ def write_file(path: Path, data: bytes | memoryview, what: str) -> None:
                               f"{free}; the partial file was removed")
         err.errno = e.errno  # a full disk (FULL) frees the writer's reserve
         raise err from None
+
+
+def write_weights(path: Path, tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Weights as a safetensors file beside model.safetensors (model-ema.safetensors: the average of the
+    weights, train.ema_decay), written atomically as write_file does; names as in the model's state_dict."""
+    write_file(path, to_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}), what)
 
 
 def save(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:

@@ -165,6 +165,10 @@ class TrainConfig:
                            "at no cost)", lo=0, hi=10**6)
     label_smoothing: float = opt(0.0, "training targets: 1 - this on the class, plus this spread evenly over "
                                  "every class, as soft targets (0 = off; 0..<1)", lo=0.0, hi=0.999999)
+    ema_decay: float = opt(0.0, "keep an exponential moving average of the weights, decay d a step "
+                           "(e.g. 0.999; warmed up as min(d, (1 + n) / (10 + n))), evaluated beside them as "
+                           "test_accuracy_ema and saved in checkpoints and model-ema.safetensors; "
+                           "train.target_accuracy stays on the weights (0 = off; 0..<1)", lo=0.0, hi=0.999999)
     warmup_log_steps: int = opt(2, "first job steps left out of throughput figures (compile, caches)", lo=0, hi=10**6)
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("fp32", "fp32 | bf16 (autocast on CUDA only)", choices=("fp32", "bf16"))

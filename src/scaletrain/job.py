@@ -44,6 +44,7 @@ from .compute import around, keep_freed_memory
 from .config import Config, dump_toml
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
+from .ema import Ema
 from .errors import REPORTED, ConfigError, RunError
 from .job_env import default_run_dir, joining
 from .launch import env as launch_env, join, supervise
@@ -108,6 +109,7 @@ class Job:
         self.train_set, self.test_set, self.classes = build_datasets(cfg, self.run_dir, check=self.ctx.is_chief)
         self.schedule = make_schedule(cfg, len(self.train_set))
         self.strategy = self.tracker = self.tick = self.pipeline = self._module = None
+        self.ema: Ema | None = None  # the average of the weights (train.ema_decay), of this process's own
         self.summary: dict[str, Any] | None = None
         self._pending = False  # a batch was given and its step not yet taken
         self._averaging, self._forwards = False, 0  # forwards through wrap()'s module since the last step
@@ -202,10 +204,15 @@ class Job:
             saved = resumed.state.get("replica_buffers")
             load_replica_buffers(net, saved[ctx.me.stage] if saved and self.pipeline else saved,
                                  ctx.plan.replica_of(ctx.me))
+        # After restore (a PS strategy's values are the shards'); a stage averages its own layers (ema.py)
+        self.ema = Ema(cfg.train.ema_decay, model, net) if cfg.train.ema_decay else None
+        if resumed is not None:
+            if self.ema is not None:
+                self.ema.load_state_dict(resumed.state.get("ema"))
             resumed.state = None  # the model, optimizer and strategy hold it now
         prepare = Prepare(cfg.data.augment, self.train_set.stats, device, self._channels_last)
         self.tracker = t = Tracker(cfg, ctx, self.run_dir, model, self.strategy, sched, prepare, len(self.train_set),
-                                   self.test_set, resumed, self.progress, self.pipeline)
+                                   self.test_set, resumed, self.progress, self.pipeline, self.ema)
         self.tick = Tick(t.images0, False, t.images0 >= sched.target)
         self._decayed = decayed(net)
         self._slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
@@ -303,8 +310,9 @@ class Job:
 
     def step(self, loss: torch.Tensor | float, lr: float | None = None) -> None:
         """After loss.backward() of the batch batches() gave: the strategy's step (gradients averaged or
-        pushed, the optimizer's step, new values pulled), then the job's sync point when this step is
-        one. loss: the batch's loss, for the job's figures (no host sync: it stays on the device).
+        pushed, the optimizer's step, new values pulled), the average of the weights where an update was
+        applied (train.ema_decay: ema.py), then the job's sync point when this step is one. loss: the
+        batch's loss, for the job's figures (no host sync: it stays on the device).
         lr: this step's learning rate (None: the recipe's schedule, optim.lr and its warm-up and decay)."""
         self._wrapped("step")
         if not self._pending:
@@ -331,6 +339,8 @@ class Job:
             lr = lr_at(self.cfg.optim, sched.step_of(self.tick.images), sched.steps, images_per_update(self.cfg))
         loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         before, self.tick = self.tick, self.strategy.step(lr)
+        if self.ema is not None and self.tick.images != before.images:  # an update applied (or pulled): no host sync
+            self.ema.update()
         t.after_step(before, self.tick, loss, self._images, lr)
         if self.tick.synced:
             self.tick = t.sync_point(self.tick)

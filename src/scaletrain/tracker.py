@@ -42,10 +42,11 @@ class Tracker:
     """What the loop reports to: the job clock, metrics rows, and what is done at sync points."""
 
     def __init__(self, cfg, ctx, run_dir, model, strategy, sched, prepare, train_images, test_set, resumed,
-                 progress, pipeline=None) -> None:
-        """model: the whole network (with stages, the chief's copy that `pipeline` gathers them into)."""
+                 progress, pipeline=None, ema=None) -> None:
+        """model: the whole network (with stages, the chief's copy that `pipeline` gathers them into);
+        ema: the average of this process's weights (ema.py), None without train.ema_decay."""
         self.cfg, self.ctx, self.run_dir, self.model, self.strategy = cfg, ctx, run_dir, model, strategy
-        self.pipeline = pipeline
+        self.pipeline, self.ema = pipeline, ema
         self.sched, self.prepare, self.device, self.chief = sched, prepare, prepare.device, ctx.is_chief
         self.not_applied = not_applied(cfg, self.device.type)  # settings that take no effect in this run
         self.per_epoch = train_images // sched.step_images
@@ -200,10 +201,11 @@ class Tracker:
         if self.evaluation is None:
             return {}
         with self.strategy.latest():
-            p = self.pipeline
-            res = evaluate(p.module if p else self.model, self.evaluation, self.device, self.inputs, self.group,
-                           self.ctx.plan.replicas, self.cfg.train.precision, p and self.ctx.workers_group,
-                           p and p.forward)
+            res = self._test()
+            if self.ema is not None:  # the average's figures beside the weights': a second pass over the test set
+                with self.ema.swapped():
+                    avg = self._test()
+                res.update({f"{k}_ema": avg[k] for k in ("test_accuracy", "test_loss") if k in avg})
         if res:
             self.final = res
             self.best = max(self.best or 0.0, res["test_accuracy"])
@@ -211,8 +213,30 @@ class Tracker:
             if self.rec:
                 self.rec.row("eval", step, **cluster_row(dict(images=tick.images, epoch=self.epoch(tick.images),
                                                               train_wall=at, **res), self.cfg.cluster.time_scale))
-            self.bar.message(f"step {step}: test accuracy {res['test_accuracy']:.4f}  loss {res['test_loss']:.4f}")
+            self.bar.message(f"step {step}: test accuracy {res['test_accuracy']:.4f}  loss {res['test_loss']:.4f}"
+                             + (f"  (average of the weights: {res['test_accuracy_ema']:.4f})"
+                                if "test_accuracy_ema" in res else ""))
         return res
+
+    def _test(self) -> dict[str, float]:
+        """The test set's figures of the model as it holds its values now (every worker's slice, or the chief's
+        whole test set where no collective joins the workers)."""
+        p = self.pipeline
+        return evaluate(p.module if p else self.model, self.evaluation, self.device, self.inputs, self.group,
+                        self.ctx.plan.replicas, self.cfg.train.precision, p and self.ctx.workers_group,
+                        p and p.forward)
+
+    def _ema_state(self) -> dict | None:
+        """The average of the weights for the chief's checkpoint and model-ema.safetensors, by the names of the
+        model's state_dict (None elsewhere). With stages, every stage's average is gathered into the chief's copy
+        of the model, then copied out: the values' gather that follows puts the weights back there.
+        Point-to-point over replica 0's stages, as the values' gather."""
+        if self.pipeline is None:
+            return self.ema.state_dict() if self.chief else None
+        with self.ema.swapped():
+            self.pipeline.gather()
+            whole = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if self.chief else None
+        return {"updates": self.ema.updates, "tensors": whole} if self.chief else None
 
     def _checkpoint(self, tick: Tick, final: bool) -> None:
         """The chief takes every shard's state while the others wait, with every replica's
@@ -221,11 +245,12 @@ class Tracker:
         write done first); training goes on while it is written. final: the job's last one."""
         with self.strategy.latest() if self.chief else nullcontext():
             p, opt = self.pipeline, self.strategy.optimizer
+            ema = self._ema_state() if self.ema is not None else None  # before the values' gather (_ema_state)
             whole = p.gather(opt, state_keys(self.cfg.optim)) if p else None  # the other stages' values and state
             state = {"step": self.sched.step_of(tick.images), "images": tick.images,
                      "model": self.model.state_dict(), "optimizer": whole or opt.state_dict(),
                      "rng": rng_state(), "config": self.cfg.flat(), "best_test_accuracy": self.best,
-                     "bad": sorted(self.bad), **self.strategy.snapshot(),
+                     "bad": sorted(self.bad), **self.strategy.snapshot(), **({"ema": ema} if ema else {}),
                      **({"pipeline_split": p.split} if p else {})} if self.chief else None
             if self.group is not None:
                 # Collective over the workers; it is also the barrier: no pusher moves on before the
@@ -267,6 +292,7 @@ class Tracker:
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if self.chief:  # declared after the last step
             self._note_lost(tick)
+        ema = self._ema_state() if self.ema is not None else None  # for model-ema.safetensors
         if self.pipeline:  # the other stages' final values into the chief's model, for model.safetensors
             self.pipeline.gather()
         try:
@@ -274,6 +300,9 @@ class Tracker:
                 self.writer.finish()  # a run whose last checkpoint is not on disk failed, whatever ended it
             if not self.chief or self.stopped:  # a stopped run is not over: its checkpoint is its record
                 return {}
+            if ema is not None:
+                checkpoint.write_weights(self.run_dir / "model-ema.safetensors", ema["tensors"],
+                                         "the final average of the weights")
             return self._write_summary(tick, job, train_images, test_images)
         finally:
             if self.writer:  # kept through the weights' write: room for the last words of a job that fails in it
@@ -288,6 +317,8 @@ class Tracker:
             **self.clock.summary(), "images_computed": job.pop("images_computed"),
             "final_train_loss": self.last_loss, "test_accuracy": self.final.get("test_accuracy"),
             "test_loss": self.final.get("test_loss"), "best_test_accuracy": self.best,
+            **({"test_accuracy_ema": self.final.get("test_accuracy_ema"), "test_loss_ema": self.final.get(
+                "test_loss_ema"), "ema_updates": self.ema.updates} if self.ema is not None else {}),
             "target_reached": bool(self.target), **self.target,
             "skipped_images": len(self.bad), "skipped_files": sorted(self.bad)[:20],
             "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
