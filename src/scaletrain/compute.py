@@ -99,6 +99,22 @@ def _zeroing(zero_grad):
     return in_place
 
 
+def hold_grads(accumulating, *objects) -> None:
+    """Make zero_grad() of each object (the optimizer, the modules a loop holds) do nothing while
+    `accumulating()` says an update's micro-batches are under way (train.grad_accum_steps), so that
+    their gradients add up in .grad whether a loop zeroes them before each backward (the built-in
+    loop, compute.Backprop) or after each job.step; the first micro-batch of an update zeroes them."""
+    for obj in dict.fromkeys(objects):
+        obj.zero_grad = _held(obj.zero_grad, accumulating)
+
+
+def _held(zero_grad, accumulating):
+    def unless_accumulating(set_to_none: bool = True) -> None:
+        if not accumulating():
+            zero_grad(set_to_none=set_to_none)
+    return unless_accumulating
+
+
 def around(module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str, compiled: bool,
            device: torch.device) -> tuple[torch.nn.Module, list[str]]:
     """The module a loop calls (job.wrap's, the built-in loop's and a user's alike): `module` compiled
@@ -148,7 +164,8 @@ class Backprop:
 class Emulated:
     """An emulated GPU: no data is read (a GPU node's loaders run on cores of their own), a step
     counts data.batch_size images, its loss is NaN (none is computed), and the gradient is the
-    same every step on every replica (drawn once from train.seed), so all strategies and runs agree."""
+    same every step on every replica (drawn once from train.seed), so all strategies and runs agree.
+    With train.grad_accum_steps = k each micro-batch adds it, as a backward would, k sleeps an update."""
 
     def __init__(self, cfg, model: torch.nn.Module, device: torch.device) -> None:
         # the twin's time dilation (twin/dilation.py): the cluster's step, k times longer
@@ -160,6 +177,7 @@ class Emulated:
         self.grads = [(torch.randn(p.shape, generator=gen, dtype=p.dtype) * EMULATED_SCALE).to(device)
                       for p in self.params]
         self.loss = torch.tensor(float("nan"), device=device)
+        self.accum, self.calls = cfg.train.grad_accum_steps, 0
 
     def __call__(self, batch: None) -> tuple[torch.Tensor, int]:
         # Host-device sync: the previous step's all-reduce and optimizer, still queued on a GPU, finish
@@ -168,8 +186,13 @@ class Emulated:
         # host waits for them once a step, as a real step's first kernels would.
         metrics.sync(self.device)
         time.sleep(self.seconds)  # the GPU's forward and backward; the host is free meanwhile
+        first = self.calls % self.accum == 0  # an update's first micro-batch: no gradient to add to
+        self.calls += 1
         for p, g in zip(self.params, self.grads):
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            p.grad.copy_(g)  # writes every gradient byte, as a backward pass would
+            if first:
+                p.grad.copy_(g)  # writes every gradient byte, as a backward pass would
+            else:
+                p.grad.add_(g)
         return self.loss, self.images

@@ -139,8 +139,12 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = opt(0, "job steps to run: the run ends when steps x replicas x data.batch_size images have "
-                     "been applied, whatever the strategy (0 = derive from epochs)", lo=0, hi=10**9)
+    steps: int = opt(0, "job steps (updates) to run: the run ends when steps x replicas x data.batch_size x "
+                     "train.grad_accum_steps images have been applied, whatever the strategy (0 = derive from "
+                     "epochs)", lo=0, hi=10**9)
+    grad_accum_steps: int = opt(1, "micro-batches of data.batch_size images a replica computes per update: their "
+                                "gradients accumulate, their mean is what the strategy averages and applies, once "
+                                "per this many (1 = every batch; 1..4096)", lo=1, hi=4096)
     epochs: float = opt(1.0, "passes over the training set, used when steps = 0 (>0)", lo=0.0, hi=1e6)
     seed: int = opt(0, "seed of initialisation, data order and augmentation (>=0)", lo=0, hi=2**31 - 1)
     deterministic: bool = opt(False, "bit-reproducible kernels and data (slower on GPU)")

@@ -122,6 +122,9 @@ def _check_stages(cfg) -> None:
         if value:
             raise ConfigError(f"{key} = {value}: not with parallel.stages = {p.stages}, whose forward and backward "
                               "are the pipeline schedule's (set parallel.stages = 1 or turn it off)")
+    if t.grad_accum_steps > 1:
+        raise ConfigError(f"train.grad_accum_steps = {t.grad_accum_steps}: not with parallel.stages = {p.stages}, "
+                          "whose schedule already splits a batch into parallel.microbatches; raise those instead")
 
 
 def _check_model(m) -> None:

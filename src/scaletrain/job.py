@@ -40,7 +40,7 @@ from . import schedule
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
-from .compute import around, keep_freed_memory
+from .compute import around, hold_grads, keep_freed_memory
 from .config import Config, dump_toml
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
@@ -81,8 +81,10 @@ def setup_process(cfg: Config) -> None:
 def make_schedule(cfg: Config, train_images: int) -> schedule.Schedule:
     s = schedule.from_config(cfg, train_images)
     if train_images < s.step_images:
+        k = cfg.train.grad_accum_steps
         raise RunError(f"{train_images} training images are fewer than one global batch "
-                       f"({s.step_images // cfg.data.batch_size} replicas x data.batch_size = {cfg.data.batch_size})")
+                       f"({s.step_images // cfg.data.batch_size // k} replicas x data.batch_size = "
+                       f"{cfg.data.batch_size}{f' x train.grad_accum_steps = {k}' if k > 1 else ''})")
     return s
 
 
@@ -115,7 +117,9 @@ class Job:
         self._averaging, self._forwards = False, 0  # forwards through wrap()'s module since the last step
         self._images = 0  # the images of the batch given last
         self._split_every, self._half_sq = 0, None  # one replica's noise scale (noise.py: half_batch)
-        self._steps = 0  # job.step() calls of this process
+        self._steps = 0  # updates of this process: job.step() calls, or every train.grad_accum_steps-th
+        self._accum, self._micro = cfg.train.grad_accum_steps, 0  # micro-batches an update, those stepped so far
+        self._micro_loss, self._micro_images = None, 0  # their losses and images summed
         self._calls_only, self._calls = [], 0  # keys only calls of wrap()'s module apply; its calls
 
     # --- the constructor for scripts ------------------------------------------------------------------
@@ -228,7 +232,7 @@ class Job:
         if cfg.train.noise_every and self.strategy.noise is None and b >= 2 and not cfg.train.emulate_compute_s \
                 and not cfg.strategy.emulate_workers:  # no group to average with: half the batch, at times
             self._split_every = cfg.train.noise_every
-            self.strategy.noise = NoiseScale(b // 2, b, device)
+            self.strategy.noise = NoiseScale(b // 2, b * self._accum, device)  # half a micro-batch, the update
         elif cfg.train.noise_every:
             t.not_applied["train.noise_every"] = (
                 "the replicas' group measures the noise scale at every step" if self.strategy.noise is not None
@@ -241,6 +245,8 @@ class Job:
             module, self._calls_only = around(module, opt, cfg.train.precision, cfg.train.compile, device)
             if self._calls_only:  # bf16, compile: in effect only where the loop calls this module
                 module.register_forward_pre_hook(self._called)
+        if self._accum > 1:  # the micro-batches of an update add up their gradients: no zeroing between them
+            hold_grads(lambda: self._micro > 0, opt, module, net, model, self.strategy.model)
         self._module = module
         return module, opt
 
@@ -253,7 +259,8 @@ class Job:
     def batches(self):
         """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
         until the job's target is reached (or a stop: should_stop). Each needs one job.step() before the
-        next. From a resumed checkpoint they go on where it stopped. Under train.emulate_compute_s no data
+        next; with train.grad_accum_steps = k they are micro-batches, k to an update (job._accumulated).
+        From a resumed checkpoint they go on where it stopped. Under train.emulate_compute_s no data
         is read: each batch is None (compute.Emulated). With train.label_smoothing, data.mixup_alpha or
         data.cutmix_alpha, x is mixed and y is soft targets, N x model.num_classes probabilities, which
         cross_entropy takes as it takes class indices (mixing.py)."""
@@ -262,8 +269,8 @@ class Job:
         emulated = bool(cfg.train.emulate_compute_s)
         replica = ctx.plan.replica_of(ctx.me)  # a pipeline's stages share it: they mix their batch alike
         mixer = Mixer(cfg, replica)
-        loader = None if emulated else iter(train_loader(
-            self.train_set, cfg, self.schedule.step_of(self.tick.images), None, world=ctx.plan.replicas,
+        loader = None if emulated else iter(train_loader(  # the loader's steps are micro-batches
+            self.train_set, cfg, self.schedule.step_of(self.tick.images) * self._accum, None, world=ctx.plan.replicas,
             rank=replica, pin=self.device.type == "cuda")[0])
         try:
             while not self.tick.stop:
@@ -278,10 +285,12 @@ class Job:
                         raise DataError("every image of a batch was unreadable (data.on_bad_image = 'skip'); "
                                         "a distributed step needs at least one; see the warnings above")
                     continue
-                if mixer.on and batch is not None:  # on the device, keyed by the job step: a resumed run mixes alike
-                    batch = mixer(batch, self.schedule.step_of(self.tick.images))
+                if mixer.on and batch is not None:  # on the device, keyed by the micro-batch: a resumed run mixes alike
+                    batch = mixer(batch, self.schedule.step_of(self.tick.images) * self._accum + self._micro)
                 self._images = cfg.data.batch_size if emulated else len(batch[1])
                 self._pending = True
+                if self._accum > 1:  # all-reduce the update's gradient in its last micro-batch's backward only
+                    self.strategy.sync_backward(self._micro == self._accum - 1)
                 t.compute_time.start()
                 yield batch
         finally:
@@ -326,6 +335,13 @@ class Job:
                            if not self.pipeline else "job.step(): with parallel.stages > 1 the batch's forward and "
                            "backward are job.forward_backward(x, y)'s; call it before job.step(loss)")
         self._pending, self._forwards = False, 0
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        images = self._images
+        if self._accum > 1:
+            if not self._accumulated(loss):
+                self.tracker.compute_time.stop()
+                return  # more micro-batches of this update to come: no strategy step, no sync point
+            loss, images = self._micro_loss / self._accum, self._micro_images
         self._steps += 1
         if self._half_sq is not None:  # job.loss measured half the batch: the whole batch's gradient is in .grad
             self.strategy.noise.add(self._half_sq, squared_norm(p.grad for p in self.strategy.params))
@@ -337,13 +353,26 @@ class Job:
         t.compute_time.stop()
         if lr is None:
             lr = lr_at(self.cfg.optim, sched.step_of(self.tick.images), sched.steps, images_per_update(self.cfg))
-        loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         before, self.tick = self.tick, self.strategy.step(lr)
         if self.ema is not None and self.tick.images != before.images:  # an update applied (or pulled): no host sync
             self.ema.update()
-        t.after_step(before, self.tick, loss, self._images, lr)
+        t.after_step(before, self.tick, loss, images, lr)
         if self.tick.synced:
             self.tick = t.sync_point(self.tick)
+
+    def _accumulated(self, loss: torch.Tensor) -> bool:
+        """One micro-batch of an update stepped (train.grad_accum_steps = k): its loss and images summed.
+        At the k-th, True, with .grad divided by k: the mean over the update's micro-batches, which the
+        strategy averages and applies as it would one batch's gradient, so a loop's own loss needs no
+        1/k of its own. No host sync: the division is queued on the device."""
+        self._micro_loss = loss.float() if not self._micro else self._micro_loss + loss.float()
+        self._micro_images = self._images + (self._micro_images if self._micro else 0)
+        self._micro += 1
+        if self._micro < self._accum:
+            return False
+        self._micro = 0
+        torch._foreach_div_([p.grad for p in self.strategy.params if p.grad is not None], float(self._accum))
+        return True
 
     def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The recipe's loss of a batch, the built-in loop's: cross-entropy plus optim.weight_decay / 2
@@ -354,7 +383,8 @@ class Job:
         the first half of the batch (noise.half_batch) toward the same targets, soft ones included."""
         self._wrapped("loss")
         wd = loss_decay(self.cfg.optim)
-        if self._split_every and self._steps % self._split_every == 0 and output.requires_grad and len(y) >= 2:
+        if self._split_every and self._steps % self._split_every == 0 and output.requires_grad and len(y) >= 2 \
+                and not self._micro:  # an update's first micro-batch: measured once an update
             self._half_sq = half_batch(lambda out, lab: loss_fn(out.float(), lab, self._decayed, wd), output, y,
                                        self.strategy.params)
         return loss_fn(output.float(), y, self._decayed, wd)

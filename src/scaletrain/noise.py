@@ -25,6 +25,11 @@ train.noise_every = N it makes a second every N steps (job.py, `half_batch`): th
 first half of its batch, by one more backward through the batch's graph, beside the whole batch's
 gradient that the loop's backward leaves in .grad. The cost is that backward, once per N steps.
 No estimate from gradients made up (train.emulate_compute_s) that no backward computed.
+
+With gradient accumulation (train.grad_accum_steps = k) a replica's gradient is the mean over its k
+micro-batches, b = k x data.batch_size images: the batch sizes above are the update's. DDP's buckets
+then hold the sum of the k micro-batches' gradients, k times that mean (its squared norms k^2 times
+theirs: `sum_of`); the half batch of one replica is half of one micro-batch, against the update's mean.
 """
 
 from __future__ import annotations
@@ -47,10 +52,12 @@ class NoiseScale:
     """Sums of squared gradient norms at two batch sizes, accumulated on the device a bucket at a time
     (no host sync), and read at log points into smoothed estimates."""
 
-    def __init__(self, b_small: int, b_big: int, device: torch.device) -> None:
+    def __init__(self, b_small: int, b_big: int, device: torch.device, sum_of: int = 1) -> None:
+        """sum_of: the gradients whose norms are added are sums of this many equally weighted means
+        (accumulated micro-batches), so their squared norms are divided by its square."""
         if b_big <= b_small:
             raise ValueError(f"two batch sizes are needed, got {b_small} and {b_big}")
-        self.b_small, self.b_big = b_small, b_big
+        self.b_small, self.b_big, self.sum_of = b_small, b_big, sum_of
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # [own |g_b|^2, averaged |g_nb|^2]
         # Each bucket's squared norms of the current backward, in a slot of its own. DDP may run the
         # buckets' callbacks at once, on a pool of CUDA streams: a `+=` of theirs on one shared tensor
@@ -84,7 +91,7 @@ class NoiseScale:
         noise scale so far (None while |G|^2 is not yet positive). A host-device sync: log points only."""
         if not self.steps:
             return self.value
-        small, big = (self.sums / self.steps).tolist()
+        small, big = (self.sums / (self.steps * self.sum_of ** 2)).tolist()
         self.sums.zero_()
         g2, s = two_batch(small, big, self.b_small, self.b_big)
         self.totals = [self.totals[0] + g2 * self.steps, self.totals[1] + s * self.steps, self.totals[2] + self.steps]

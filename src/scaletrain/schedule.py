@@ -1,11 +1,14 @@
 """The job's progress and its sync points, in images whose gradients were applied.
 
 Every strategy counts progress the same way: a run of S steps ends when
-S x (replicas x data.batch_size) images have been applied, however many
-updates that takes (all-reduce and sync: S; backup: more, each update applies
-N-b nodes' batches; the asynchronous modes: one update per push). A job step
-is one global batch of applied images; the learning-rate schedule, the
-evaluation and checkpoint cadences and the stop are functions of it.
+S x (replicas x data.batch_size x train.grad_accum_steps) images have been
+applied, however many updates that takes (all-reduce and sync: S; backup: more,
+each update applies N-b nodes' batches; the asynchronous modes: one update per
+push). A job step is one global batch of applied images, the images of one
+update of every replica: with gradient accumulation, k micro-batches of each
+replica (train.grad_accum_steps = k; the loop still calls job.step once per
+micro-batch). The learning-rate schedule, the evaluation and checkpoint
+cadences and the stop are functions of it.
 
 A sync point is a job step where every worker holds the same parameters and
 meets the others, to evaluate, checkpoint or stop together: a multiple of
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Schedule:
-    step_images: int          # images of one job step: replicas x data.batch_size
+    step_images: int          # images of one job step: replicas x data.batch_size x train.grad_accum_steps
     steps: int                # job steps to run: the target is steps x step_images images
     eval_every: int = 0       # job steps between evaluations (0 = only at the end)
     checkpoint_every: int = 0  # job steps between checkpoints (0 = only at the end)
@@ -62,12 +65,13 @@ def job_steps(train_steps: int, epochs: float, train_images: int, step_images: i
 
 
 def step_images(cfg) -> int:
-    """Images of one job step of cfg: replicas x data.batch_size."""
-    return cfg.cluster.nodes * cfg.cluster.gpus_per_node // cfg.parallel.stages * cfg.data.batch_size
+    """Images of one job step of cfg: replicas x data.batch_size x train.grad_accum_steps (an update's)."""
+    return cfg.cluster.nodes * cfg.cluster.gpus_per_node // cfg.parallel.stages * cfg.data.batch_size \
+        * cfg.train.grad_accum_steps
 
 
 def from_config(cfg, train_images: int) -> Schedule:
-    """The job's schedule: replicas x batch per job step, the run's length, its cadences."""
+    """The job's schedule: replicas x batch x micro-batches per job step, the run's length, its cadences."""
     t = cfg.train
     per_step = step_images(cfg)
     return Schedule(per_step, job_steps(t.steps, t.epochs, train_images, per_step),

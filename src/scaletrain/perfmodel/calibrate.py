@@ -95,9 +95,11 @@ def measure_optimizer(cfg: Config, numel: int) -> float:
 def measure_job(cfg: Config, replicas: int, warmup: int, steps: int, **shape) -> tuple[float, str]:
     """Seconds per step of a real local training job of the recipe (one node, `replicas`
     replicas of one thread each, all-reduce, no evaluation; `shape` overrides those keys),
-    and its device."""
+    and its device. One batch an update (train.grad_accum_steps = 1): a profile's figures are of one
+    batch of data.batch_size, which predict repeats per update (profile.accumulated)."""
     job = job_config(cfg, replicas, **shape).replace(**{
-        "train.threads": 1, "train.steps": warmup + steps, "train.warmup_log_steps": warmup, "train.eval_every": 0,
+        "train.grad_accum_steps": 1, "train.threads": 1, "train.steps": warmup + steps,
+        "train.warmup_log_steps": warmup, "train.eval_every": 0,
         "train.checkpoint_every": 0, "train.log_every": max(1, steps // 8)})
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_training(job, Path(tmp) / "run", progress=False)

@@ -23,7 +23,7 @@ from .bands import shown
 from ..config import Config
 from ..strategies import images_per_update
 from . import costs
-from .profile import Profile, at_batch, memory_at
+from .profile import Profile, accumulated, at_batch, memory_at
 from .setup import Setup, make_setup
 from .simulate import simulate
 
@@ -112,6 +112,7 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
     the recipe's batch per replica (raises ModelError when it does not fit the device)."""
     st = make_setup(cfg, p)
     p = at_batch(p, cfg.data.batch_size, st.stages, st.held / st.microbatches)
+    p = accumulated(p, cfg.train.grad_accum_steps)  # a step is an update: k micro-batches' compute and images
     est, method = estimate(p, st, spread, seed)
     # The baseline on the same hardware: its replicas are as uneven as this configuration's.
     base, _ = estimate(p, make_setup(single_node(cfg), p), spread, seed)
@@ -124,8 +125,8 @@ def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict
             "stages": st.stages, "microbatches": st.microbatches if st.stages > 1 else None,
             "stage_memory": memory_at(p, p.batch_per_replica, st.stages, st.held / st.microbatches)
             if st.stages > 1 else None,
-            "backup_workers": cfg.strategy.backup_workers, "batch_per_replica": p.batch_per_replica,
-            "update_batch": images_per_update(cfg), "spread": spread,
+            "backup_workers": cfg.strategy.backup_workers, "batch_per_replica": cfg.data.batch_size,
+            "grad_accum_steps": cfg.train.grad_accum_steps, "update_batch": images_per_update(cfg), "spread": spread,
             "images_per_sec": est.images_per_sec, "step_s": est.step_s, "speedup": scaled["speedup"],
             "efficiency": scaled["efficiency"], "baseline_images_per_sec": base.images_per_sec,
             "parts_s": est.parts, "link_bytes_per_step": est.link_bytes, "ps_cpu_util": est.ps_cpu_util,

@@ -172,6 +172,16 @@ def at_batch(p: Profile, batch: int, stages: int = 1, held: float | None = None)
     return replace(p, batch_per_replica=batch, compute_s=compute_at(p, batch))
 
 
+def accumulated(p: Profile, k: int) -> Profile:
+    """The profile of one update of k micro-batches of p's batch per replica (train.grad_accum_steps):
+    k forwards and backwards of k x batch_per_replica images, while the gradient's communication and
+    the optimizer's step stay once an update. The device memory stays a micro-batch's (at_batch)."""
+    if k == 1:
+        return p
+    return replace(p, batch_per_replica=k * p.batch_per_replica, compute_s=k * p.compute_s,
+                   compute_base_s=k * p.compute_base_s)
+
+
 SECTIONS = {"workload": ("model", "model_args", "image_size", "batch_per_replica", "gradient_bytes", "dataset_images",
                          "epochs"),
             "node": ("replicas_per_node", "compute_s", "compute_base_s", "device_memory", "memory_base",

@@ -241,8 +241,10 @@ def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str
     images = updates * update
     steps = images / step_images(cfg)
     evals = int(steps // cfg.train.eval_every) if cfg.train.eval_every else 0
-    # a forward pass: a third of the compute of a step of batch_per_replica images, its share of the test set
-    eval_s = evals * learning.test_images / row["replicas"] / row["batch_per_replica"] * row["parts_s"]["compute"] / 3
+    # a forward pass: a third of the compute of a step of batch_per_replica images (times the micro-batches an
+    # update accumulates), its share of the test set
+    per_update = row["batch_per_replica"] * row.get("grad_accum_steps", 1)
+    eval_s = evals * learning.test_images / row["replicas"] / per_update * row["parts_s"]["compute"] / 3
     row.update(target_updates=updates, target_images=images, target_steps=steps,
                target_hours=(images / applied_rate(row) + eval_s) / 3600, target_eval_hours=eval_s / 3600)
     return row

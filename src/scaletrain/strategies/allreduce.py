@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..noise import NoiseScale
 from .base import Strategy, Tick
+from .traits import replica_images
 
 NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in \
     inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers"
@@ -35,7 +36,9 @@ def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None
                   noise: NoiseScale | None = None) -> DistributedDataParallel:
     """`model` under DistributedDataParallel over `group`: backward returns with the gradients averaged
     over it, their buckets all-reduced while it still runs (in `wire`'s type when given, counting in
-    `counters` what is sent), and, with `noise`, each bucket's squared norms before and after."""
+    `counters` what each bucket's all-reduce sends: once an update, with gradient accumulation, whose
+    other micro-batches' backwards sync nothing: Strategy.sync_backward), and, with `noise`, each
+    bucket's squared norms before and after."""
     dev = next(model.parameters()).device
     # init_sync off: every replica already holds the same values (one seed, or one checkpoint), and
     # a broadcast from the first would overwrite each replica's own BatchNorm statistics on resume.
@@ -43,15 +46,16 @@ def data_parallel(model: torch.nn.Module, group, wire: torch.dtype | None = None
     # saves them); torch 2.13 renamed that switch.
     ddp = DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None, process_group=group,
                                   init_sync=False, gradient_as_bucket_view=True, **{NO_BUFFER_SYNC: False})
-    if wire is not None or noise is not None:
+    if wire is not None or noise is not None or counters is not None:
         ddp.register_comm_hook((group, wire, counters, noise), bucket_hook)
     return ddp
 
 
 def bucket_hook(state, bucket):  # unannotated: DDP checks a return annotation against the type itself
     """A DDP communication hook: the bucket divided by the group's size and all-reduced, as DDP's own
-    all-reduce does, in a half type when `wire` is given (half the bytes of fp32; the bytes it sends
-    counted, so a figure of bytes is of what crossed: torch's fp16/bf16 hooks say nothing of it), and
+    all-reduce does, in a half type when `wire` is given (half the bytes of fp32), the bytes it sends
+    counted in `counters` when given, so a figure of bytes is of what crossed (torch's fp16/bf16 hooks
+    and DDP's own all-reduce say nothing of it), and
     with `noise` the squared norms of this replica's bucket and of the group's mean (noise.py).
     Neither costs a host-device sync."""
     group, wire, counters, noise = state
@@ -59,7 +63,7 @@ def bucket_hook(state, bucket):  # unannotated: DDP checks a return annotation a
     size = dist.get_world_size(group)
     own = torch.dot(buffer, buffer) if noise is not None else None
     moving = buffer.div_(size) if wire is None else buffer.to(wire).div_(size)
-    if counters is not None and wire is not None:
+    if counters is not None:
         count_ring(counters, size, moving.numel() * moving.element_size())
     fut = dist.all_reduce(moving, group=group, async_op=True).get_future()  # collective, overlaps backward
 
@@ -124,9 +128,9 @@ class AllReduce(Strategy):
         if self.group is None:
             return self.model
         if self.ddp is None:
-            b = self.cfg.data.batch_size
+            b, k = replica_images(self.cfg), self.cfg.train.grad_accum_steps
             # Not with stages: a bucket holds a part of the gradient, summed over micro-batches
-            self.noise = None if self.ctx.plan.stages > 1 else NoiseScale(b, b * self.world, self.params[0].device)
+            self.noise = None if self.ctx.plan.stages > 1 else NoiseScale(b, b * self.world, self.params[0].device, k)
             self.ddp = data_parallel(self.model, self.group, self.wire, self.counters, self.noise)
         return self.ddp
 
@@ -140,8 +144,6 @@ class AllReduce(Strategy):
                     average_(grads, self.group, self.world, out=self.buffer("grads", self.numel, dtype, dev),
                              wire=self.wire and self.buffer("wire", self.numel, self.wire, dev))
                 count_ring(self.counters, self.world, self.numel * (self.wire or dtype).itemsize)
-            elif self.wire is None:  # DDP's own all-reduce of the buckets (with a wire type the hook counts)
-                count_ring(self.counters, self.world, self.numel * grads[0].dtype.itemsize)
             asked = self._asked()
         if self.ddp is not None and self.noise is not None:  # the hook measured this backward's buckets
             self.noise.step()

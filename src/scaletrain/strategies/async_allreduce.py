@@ -31,6 +31,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from ..stats import HIST_BINS
 from .base import Strategy, Tick
+from .traits import replica_images
 
 
 class AsyncAllReduce(Strategy):
@@ -99,7 +100,7 @@ class AsyncAllReduce(Strategy):
         self.optimizer.step()
         self.version += 1
         self.update_hist[min(count, HIST_BINS - 1)] += 1
-        return self.advance(count * self.cfg.data.batch_size, asked)
+        return self.advance(count * replica_images(self.cfg), asked)
 
     def finish(self, stopped: int = 0) -> None:
         if self.round is not None:  # never left in flight: the others would wait in it

@@ -60,6 +60,7 @@ class Counters:
 
 class Strategy:
     pusher = True  # whether this process talks to other nodes itself (PS: only node leaders do)
+    ddp = None  # the DistributedDataParallel wrap() returned, where backward averages over a group
 
     def __init__(self, cfg, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: Schedule) -> None:
@@ -80,6 +81,14 @@ class Strategy:
 
     def step(self, lr: float) -> Tick:
         raise NotImplementedError
+
+    def sync_backward(self, on: bool) -> None:
+        """Whether the next forward's backward through wrap()'s module averages over its group. Off for
+        all but the last micro-batch of an accumulated update (train.grad_accum_steps): their gradients
+        add up in .grad (DDP's buckets) and the last backward all-reduces the sum, once an update, not
+        once a micro-batch. Set before the forward, as DDP's no_sync() sets it."""
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = on
 
     def advance(self, images: int, asked: bool | None = None) -> Tick:
         """Progress of a strategy whose replicas all apply every update (all-reduce, one process).

@@ -29,7 +29,7 @@ from ..ps.sharding import gather, make_layout, scatter_
 from ..noise import NoiseScale
 from .allreduce import average_, count_ring, data_parallel
 from .base import Strategy, Tick
-from .traits import stage_shards
+from .traits import replica_images, stage_shards
 
 
 class PSClient(Strategy):
@@ -65,9 +65,10 @@ class PSClient(Strategy):
         """Where a node's replicas average before pushing: DistributedDataParallel over the node, so the
         averaging runs while backward does (the node's GPUs: NCCL); the push follows it."""
         if self.group is not None and self.ddp is None:
-            b = self.cfg.data.batch_size
+            b, k = replica_images(self.cfg), self.cfg.train.grad_accum_steps
             # Not with stages: a bucket holds a part of the gradient, summed over micro-batches
-            self.noise = None if self.ctx.plan.stages > 1 else NoiseScale(b, b * self.group_size, self.params[0].device)
+            self.noise = None if self.ctx.plan.stages > 1 else \
+                NoiseScale(b, b * self.group_size, self.params[0].device, k)
             self.ddp = data_parallel(self.model, self.group, noise=self.noise)
         return self.ddp or self.model
 

@@ -76,20 +76,27 @@ def replicas_per_node(cfg) -> int:
     return cfg.cluster.gpus_per_node // cfg.parallel.stages
 
 
+def replica_images(cfg) -> int:
+    """Images behind one replica's gradient: data.batch_size, times the micro-batches it accumulates
+    (train.grad_accum_steps)."""
+    return cfg.data.batch_size * cfg.train.grad_accum_steps
+
+
 def push_images(cfg) -> int:
-    """Images behind one push: a node's replicas, or one replica's batch."""
-    return cfg.data.batch_size * (replicas_per_node(cfg) if entry(cfg).per_node else 1)
+    """Images behind one push: a node's replicas' gradients, or one replica's."""
+    return replica_images(cfg) * (replicas_per_node(cfg) if entry(cfg).per_node else 1)
 
 
 def images_per_update(cfg) -> int:
     """Images whose gradients one update applies: the global batch (all-reduce, sync),
-    N-b nodes' batches (backup), one push (asynchronous modes). The learning-rate
-    scaling rule (optim.scale_lr) is in this unit, on the PS and in all-reduce alike."""
+    N-b nodes' batches (backup), one push (asynchronous modes); a replica's batch is its
+    accumulated micro-batches' (replica_images). The learning-rate scaling rule
+    (optim.scale_lr) is in this unit, on the PS and in all-reduce alike."""
     e, c = entry(cfg), cfg.cluster
     if cfg.strategy.emulate_workers:  # one process: a gradient of one batch, or a round of K (emulate.py)
-        return cfg.data.batch_size * (cfg.strategy.emulate_workers if e.rounds else 1)
+        return replica_images(cfg) * (cfg.strategy.emulate_workers if e.rounds else 1)
     if not e.uses_ps:
-        return c.nodes * replicas_per_node(cfg) * cfg.data.batch_size
+        return c.nodes * replicas_per_node(cfg) * replica_images(cfg)
     return push_images(cfg) * (wait_for(cfg, c.nodes if e.per_node else c.nodes * replicas_per_node(cfg))
                                if e.server == "sync" else 1)
 
