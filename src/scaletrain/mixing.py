@@ -73,8 +73,8 @@ def cut_box(rng: random.Random, lam: float, height: int, width: int) -> tuple[in
 
 def partners(n: int, device: torch.device | None = None) -> torch.Tensor:
     """Each image's partner: the batch reversed within each half (halves of n // 2 and the rest)."""
-    half = n // 2
-    return torch.cat((torch.arange(half - 1, -1, -1), torch.arange(n - 1, half - 1, -1))).to(device)
+    half = n // 2  # made where the batch is: a copy from host memory would wait for the GPU
+    return torch.cat((torch.arange(half - 1, -1, -1, device=device), torch.arange(n - 1, half - 1, -1, device=device)))
 
 
 def soft_targets(y: torch.Tensor, classes: int, smoothing: float = 0.0) -> torch.Tensor:
