@@ -1,10 +1,10 @@
 """`python -m scaletrain` (what a Slurm job's script runs) and the `scaletrain` command, which both
 import this module first: it holds the stop signals through the command line's imports, which take
-seconds (torch), so that a stop signal then is a stop (launch/early.py)."""
+seconds (torch), so that a stop signal then is a stop (proc/early.py)."""
 
 import sys
 
-from .launch import early
+from .proc import early
 
 early.hold()
 

@@ -22,7 +22,7 @@ from typing import Any
 from .config import Config, build_config, load_config, toml_value
 from .job import Job
 from .models import build_model
-from .launch.env import run_dir_for
+from .proc.env import run_dir_for
 from .run import run_training, warn_slow_input
 
 __all__ = ["Config", "Job", "build_model", "load_config", "train"]

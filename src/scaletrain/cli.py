@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 if __name__ == "__main__":  # `python -m scaletrain.cli`: stop signals held through the imports below
-    from .launch import early
+    from .proc import early
 
     early.hold()
 
@@ -16,8 +16,9 @@ from pathlib import Path
 
 from .config import field_docs, load_config
 from .errors import REPORTED, ConfigError, GridError, LaunchError, UntilError
-from .launch import early, env as launch_env, torchrun
-from .launch.env import plan_for, run_dir_for
+from .launch import torchrun
+from .proc import early, env as launch_env
+from .proc.env import plan_for, run_dir_for
 from .perfmodel import OBJECTIVES
 from .plan import format_table, node_line
 from .study.grid import cells, parse_grid

@@ -38,9 +38,9 @@ from .device import Facts, not_applied, resolve, slurm_gpus
 from .errors import LaunchError, ModelNameError, PlanError
 from .models import check_network
 from .plan import node_name
-from .launch import fabric
-from .launch.cpus import node_needs
-from .launch.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_for
+from .proc import fabric
+from .proc.cpus import node_needs
+from .proc.env import expand_nodelist, in_slurm_allocation, in_torchrun, plan_for
 
 SLURM = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "tasks": "SLURM_NTASKS",
          "cpus_on_node": "SLURM_CPUS_ON_NODE", "cpus_per_task": "SLURM_CPUS_PER_TASK",
@@ -204,7 +204,7 @@ def checks(cfg: Config | None, tf: dict, slurm: dict, net_error: str | None,
         at = slurm["nodes"].index(slurm["node"]) if slurm["node"] in slurm["nodes"] else -1
         have = int(slurm["cpus_on_node"]) if (slurm["cpus_on_node"] or "").isdigit() else None
         if 0 <= at < plan.nodes_total and have is not None:
-            need = node_needs(plan, cfg)[at]  # what the job's processes take of this node (launch/cpus.py)
+            need = node_needs(plan, cfg)[at]  # what the job's processes take of this node (proc/cpus.py)
             if need.cpus > have:
                 warn(f"{node_name(at)} of the plan ({slurm['node']}) needs {need.cpus} CPUs ({need.words()}) but "
                      f"Slurm gave this job {have} here: lower data.workers or ask for more CPUs", fails=True)

@@ -47,7 +47,8 @@ from .device import facts, resolve, setup as setup_kernels
 from .ema import Ema
 from .errors import REPORTED, ConfigError, RunError
 from .job_env import default_run_dir, joining
-from .launch import env as launch_env, join, supervise
+from .launch import join, supervise
+from .proc import env as launch_env
 from .metrics import start_up
 from .mixing import Mixer
 from .noise import NoiseScale, half_batch, squared_norm

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .config import Config, load_config
 from .errors import LaunchError
-from .launch import env as launch_env
+from .proc import env as launch_env
 from .rundir import prepare_run_dir
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from .device import facts
 from .errors import LaunchError
-from .launch import early, entry, supervise
-from .launch import env as launch_env
+from .launch import entry, supervise
+from .proc import early, env as launch_env
 from .loop import train
 from .models import check_network
 from .optim import is_class_path, probe

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.launch.env import LaunchError, expand_nodelist, rendezvous, slurm_port
+from scaletrain.proc.env import LaunchError, expand_nodelist, rendezvous, slurm_port
 from scaletrain.plan import ClusterConfig, make_plan
 
 from conftest import RECIPES, ROOT, scaletrain_cmd

@@ -20,8 +20,8 @@ from conftest import RECIPES, ROOT, scaletrain_cmd
 
 import slurm_cluster
 from scaletrain.config import load_config
-from scaletrain.launch import cpus
-from scaletrain.launch.env import plan_for
+from scaletrain.proc import cpus
+from scaletrain.proc.env import plan_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="not root: the emulated Slurm cluster needs root "
                                 "to start munged and slurmd")
@@ -316,7 +316,7 @@ def test_a_busy_rendezvous_port_is_named_at_once_or_gives_way(cluster, tmp_path)
     cluster.master_port ends the job at once, its output with one line naming the port and the fix,
     status 2 (srun killed the others with 137 after cluster.timeout_s); a busy port from the job id
     gives way to a free one."""
-    from scaletrain.launch.env import slurm_port
+    from scaletrain.proc.env import slurm_port
 
     with socket.socket() as busy:
         busy.bind(("", 0))

@@ -77,7 +77,7 @@ def join_job(rank, port):
     """groups.init of a job of two (timeout_s = 2), as the local launcher's processes call it."""
     from scaletrain.comm import end, groups
     from scaletrain.config import Config
-    from scaletrain.launch.env import rendezvous
+    from scaletrain.proc.env import rendezvous
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

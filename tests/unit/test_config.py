@@ -67,7 +67,7 @@ def test_unknown_section_and_missing_recipe(tmp_path):
 def test_relations_checked():
     with pytest.raises(ConfigError, match="data.root is empty"):
         build_config({"data": {"name": "manifest"}})
-    from scaletrain.launch.env import plan_for
+    from scaletrain.proc.env import plan_for
     from scaletrain.plan import PlanError
 
     with pytest.raises(PlanError, match=r"cluster.min_nodes = 1 below cluster.nodes = 3: .* not defined for "

@@ -1,8 +1,8 @@
-"""The interface of gloo's and NCCL's sockets (launch/fabric.py): pure choices on made-up hosts."""
+"""The interface of gloo's and NCCL's sockets (proc/fabric.py): pure choices on made-up hosts."""
 import pytest
 
 from scaletrain.errors import LaunchError
-from scaletrain.launch import fabric
+from scaletrain.proc import fabric
 
 HPC = {"lo": "127.0.0.1", "eno1": "10.1.0.7", "ib0": "10.2.0.7"}
 

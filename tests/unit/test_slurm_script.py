@@ -12,9 +12,10 @@ from conftest import RECIPES, ROOT
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
-from scaletrain.launch import cpus, flags, preflight, slurm
+from scaletrain.launch import flags, preflight, slurm
+from scaletrain.proc import cpus
 from scaletrain.launch.join import launcher_threads
-from scaletrain.launch.env import LaunchError, plan_for
+from scaletrain.proc.env import LaunchError, plan_for
 from scaletrain.launch.follow import state_line
 
 STUDY = ["cluster.nodes=4", "cluster.gpus_per_node=4", "cluster.num_ps=3", "strategy.name=mixed-async"]

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ..errors import EXIT_STOPPED, Stopped
-from ..launch import early
+from ..proc import early
 from .groups import Context
 from .liveness import CHECKPOINT, STOP, announce, linger, write_note
 
@@ -109,7 +109,7 @@ def catch_stop_signals(ctx: Context, names: tuple[str, ...], escalate: bool) -> 
 
     sigs = [getattr(signal, n) for n in names]
     before = {s: signal.signal(s, on_signal) for s in sigs}
-    came = early.take(before)  # one that came while the process was importing (launch/early.py)
+    came = early.take(before)  # one that came while the process was importing (proc/early.py)
     if came in sigs:
         on_signal(came, None)
     elif came:

@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from ..config import ClusterConfig, Config
 from ..errors import LaunchError
-from ..launch import fabric
-from ..launch.env import Rendezvous
+from ..proc import fabric
+from ..proc.env import Rendezvous
 from ..plan import Plan, Proc, make_plan, node_name
 from ..strategies import traits
 from .liveness import HEARTBEAT_S, STALE_S, default_store, heartbeat, join, silent_since_joining
@@ -138,7 +138,7 @@ def init(cfg: Config, plan: Plan, rdzv: Rendezvous) -> Context:
     c = cfg.cluster
     timeout = datetime.timedelta(seconds=c.timeout_s)
     loopback = rdzv.launcher == "local" and _is_loopback(rdzv.addr)
-    os.environ.update(fabric.socket_env(c.ifname, loopback))  # gloo's and NCCL's sockets (launch/fabric.py)
+    os.environ.update(fabric.socket_env(c.ifname, loopback))  # gloo's and NCCL's sockets (proc/fabric.py)
     store, met = None, False
     try:
         if rdzv.launcher == "torchrun":  # torchrun's agent already hosts a store for this job

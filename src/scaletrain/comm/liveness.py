@@ -50,7 +50,7 @@ import time
 import torch.distributed as dist
 
 from ..errors import EXIT_PEER
-from ..launch.fork import die_with_parent
+from ..proc.parent import die_with_parent
 
 HEARTBEAT_S = 0.5
 STALE_S = 3.0  # a counter still this long marks its rank as missing

@@ -26,7 +26,7 @@ import torch
 
 from ..config_checks import STOP_SIGNALS
 from ..imports import one_line
-from ..launch.fork import die_with_parent
+from ..proc.parent import die_with_parent
 from . import decode
 from .augment import Augment, centre, on_device
 from .device_input import DeviceBatches, Encoded, Jpeg, collate_encoded, decoder_for, to_device, torchvision_io

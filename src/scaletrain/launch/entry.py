@@ -5,14 +5,14 @@ in RUN_DIR/config.toml (the local launcher and Slurm jobs start it so);
 `scaletrain train` and `scaletrain.train` under torchrun or srun call
 `process` with the recipe's.
 The process's rank and the job's rendezvous come from the launcher's
-environment (launch/env.py); joining and ending are launch/join.py's, the
+environment (proc/env.py); joining and ending are launch/join.py's, the
 same for a user's script (job.Job.from_env).
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # a task of a Slurm step: stop signals held through the imports below
-    from .early import hold
+    from ..proc.early import hold
 
     hold()
 

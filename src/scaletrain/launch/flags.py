@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..imports import is_import_path
 from ..models.factory import build_network
 from ..recipe_values import MODELS
-from .cpus import NodeNeed, node_needs
+from ..proc.cpus import NodeNeed, node_needs
 
 # Under these a path is each machine's own whatever file system holds it.
 NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")

@@ -7,7 +7,7 @@ of few cores spend N times the CPU before they meet, and reach the rendezvous
 far apart. The starter (`python -m scaletrain.launch.starter RUN_DIR ...`,
 launch/starter.py) imports them once and forks every process of the job; their
 pages stay shared (copy on write) and a process is up in milliseconds. This
-module holds the launcher's side and die_with_parent, which every generation of
+module holds the launcher's side; proc/parent.py's die_with_parent, which every generation of
 processes calls (the job's processes, their beats, their loader processes); it
 imports nothing of the package. The starter's own program, which imports the
 job's code at its top, is launch/starter.py.
@@ -28,7 +28,6 @@ kills the launcher takes them all.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -36,20 +35,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process (SIGKILL) when its parent dies, however it dies, kill -9
-    included. A fork does not inherit it, so each generation sets its own: the starter, the job's
-    processes, their beats and their loader processes. parent: the pid that started this process; if
-    it died before the signal was set (this process was adopted meanwhile), exit now. The signal
-    comes when the parent's thread that started this process ends: the main thread, for every
-    caller here."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 class Forked:

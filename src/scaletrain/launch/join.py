@@ -26,9 +26,8 @@ from ..device import facts
 from ..errors import EXIT_PEER, USER_ERRORS, ConfigError, PlanError, Stopped
 from ..metrics import start_up
 from ..ps.server import run_shard
-from . import env as launch_env
-from . import fabric
-from .env import LaunchError, Rendezvous
+from ..proc import env as launch_env, fabric
+from ..proc.env import LaunchError, Rendezvous
 
 
 def join(cfg, run_dir: Path, progress: bool, node: int | None = None) -> Context | int:
@@ -146,7 +145,7 @@ def end_or_exit(ctx: Context, exc: BaseException | None) -> None:
 
 def launcher_threads(text: str, rank: int) -> int:
     """This process's torch threads as its launcher gives them: one count for every process (the
-    local launcher) or one by rank, comma-separated (Slurm: launch/cpus.py). 0 = none given."""
+    local launcher) or one by rank, comma-separated (Slurm: proc/cpus.py). 0 = none given."""
     counts = [int(t) for t in text.split(",") if t.strip().isdigit()]
     if len(counts) > 1:
         return counts[rank] if rank < len(counts) else 0

@@ -51,9 +51,10 @@ from ..metrics import LAUNCHED, start_up
 from ..plan import Plan, node_name
 from ..strategies import traits
 from .. import twin as twins
-from . import early
-from .env import LaunchError, plan_for, script_env
-from .fork import Forked, Starter, die_with_parent
+from ..proc import early
+from ..proc.env import LaunchError, plan_for, script_env
+from ..proc.parent import die_with_parent
+from .fork import Forked, Starter
 
 
 def free_port(addr: str) -> int:
@@ -124,7 +125,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = Tr
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         came = early.take()  # held from here: _Forward's handlers take the next one
-        if came:  # during start-up (launch/early.py): no process started, nothing to checkpoint
+        if came:  # during start-up (proc/early.py): no process started, nothing to checkpoint
             raise early.stopped(came, run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         twin = twins.for_job(cfg.cluster, plan.nodes_total, run_dir, partial(_say, progress)) if netns else None

@@ -1,7 +1,7 @@
 """Checks `scaletrain slurm` makes before it writes or submits a job, so that a job that cannot
 run is refused here in one line instead of after its wait in the queue.
 
-- Shape: what the job asks of each node (launch/cpus.py for CPUs; GPUs; --mem) against the
+- Shape: what the job asks of each node (proc/cpus.py for CPUs; GPUs; --mem) against the
   partition's nodes as `sinfo` lists them, or as --node-cpus, --node-gpus and --node-mem state
   them (away from the cluster, where there is no sinfo). Slurm itself would answer only "Requested
   node configuration is not available", naming no node and no reason. Where the nodes are neither
@@ -21,7 +21,7 @@ from pathlib import Path
 from ..config import ROOTS
 from ..errors import LaunchError
 from ..plan import Plan, node_name
-from .cpus import NodeNeed, fitting_workers, node_needs
+from ..proc.cpus import NodeNeed, fitting_workers, node_needs
 
 SHARED = "must be on a shared file system the job's nodes see"
 

@@ -12,7 +12,7 @@ gives it (each process checks SLURM_NODEID against the plan).
 
 What the script asks of Slurm, and why:
 - --nodes, --ntasks-per-node=1, --cpus-per-task=C: one batch slot per node
-  holding C CPUs, C the most any plan node needs (launch/cpus.py: a worker's
+  holding C CPUs, C the most any plan node needs (proc/cpus.py: a worker's
   loaders and threads, a PS's threads). One step has one --cpus-per-task for
   all its tasks, so CPUs per role cannot be asked task by task; the step asks
   none (srun's -c implies --exact since 21.08, which under cgroups would hold a
@@ -77,8 +77,9 @@ from ..errors import EXIT_STOPPED
 from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
 from ..strategies import traits
-from . import cpus, early, fabric, flags
-from .env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
+from . import flags
+from ..proc import cpus, early, fabric
+from ..proc.env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
 from .local import check_port, free_port, read_ranks, write_failure
@@ -142,7 +143,7 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
     placement = format_table(plan).splitlines()[: plan.nodes_total + 1]
     return "\n".join([
         "#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch),
-        "# Written by scaletrain. CPUs a node (launch/cpus.py): a worker's loaders and threads, a PS's threads",
+        "# Written by scaletrain. CPUs a node (proc/cpus.py): a worker's loaders and threads, a PS's threads",
         "# (it also takes what its node's workers leave); the job step holds every CPU the job has on a node,",
         "# which the node's processes share unbound.",
         *(f"#   {node_name(n.node)}: {n.words()} = {n.cpus} CPUs" for n in needs),
@@ -166,7 +167,7 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
 
 
 def network_words(ifname: str, env=os.environ) -> str:
-    """Which interface gloo's and NCCL's sockets will use on the job's nodes (launch/fabric.py)."""
+    """Which interface gloo's and NCCL's sockets will use on the job's nodes (proc/fabric.py)."""
     given = [f"{k}={env[k]}" for k in fabric.ENV_KEYS if k in env]
     if given:  # sbatch passes the submitting shell's environment on (--export=ALL)
         return f"Network: {', '.join(given)} from the shell that wrote this; it wins over cluster.ifname on every node."
@@ -235,7 +236,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
             forward_signal(job, name, sig, step[0])
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, WARNING)}
-    came = early.take(old)  # held until these handlers (launch/early.py): passed on as srun starts
+    came = early.take(old)  # held until these handlers (proc/early.py): passed on as srun starts
     got += [came] if came else []
     try:
         step.append(subprocess.Popen(cmd, env=env))
@@ -311,7 +312,7 @@ def step_layout(plan, cfg, het: bool) -> list[str]:
     count: srun's -c implies --exact (Slurm >= 21.08), and under cgroups (ConstrainCores) or task
     binding an exact step holds one CPU a task on its node, a worker's loaders and a PS squeezed onto
     them. Without it the step holds every CPU the job has on each of its nodes (what the script asked:
-    the plan node's need, launch/cpus.py), and --cpu-bind=none leaves the node's processes free to
+    the plan node's need, proc/cpus.py), and --cpu-bind=none leaves the node's processes free to
     share them, each taking its thread count from SCALETRAIN_THREADS. A heterogeneous job (PS nodes
     without GPUs, after the worker nodes) runs a component each, ranks in component order, so no host
     file is needed."""

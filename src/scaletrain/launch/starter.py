@@ -21,7 +21,7 @@ import warnings
 
 from .entry import main
 from .join import exit_now
-from .fork import die_with_parent
+from ..proc.parent import die_with_parent
 from ..twin.netns import enter
 
 # What job processes import later on their own: torch._dynamo (torch.optim imports it at an optimizer's

@@ -30,7 +30,8 @@ from ..models import check_network
 from ..plan import lost_nodes
 from ..rundir import prepare_run_dir
 from ..schedule import step_images
-from . import early, env as launch_env, local, slurm
+from . import local, slurm
+from ..proc import early, env as launch_env
 
 
 def run(cfg, run_dir: Path, resume: bool, progress: bool, script: list[str] | None = None) -> dict[str, Any]:
@@ -41,7 +42,7 @@ def run(cfg, run_dir: Path, resume: bool, progress: bool, script: list[str] | No
     # manifest's files are checked here once for the job, and the check recorded for its chief.
     check_network(cfg)
     check_data(cfg, run_dir)
-    early.check(run_dir)  # a stop signal meanwhile: the processes are not started (launch/early.py)
+    early.check(run_dir)  # a stop signal meanwhile: the processes are not started (proc/early.py)
     start = slurm.run_job if launch_env.in_slurm_allocation() else local.launch
     restarts, failure = 0, run_dir / "logs" / "failure.json"
     lost: list[dict] = []  # the worker nodes restarts left out, for summary.json's lost_workers

@@ -14,7 +14,7 @@ nodes will talk (place):
   replicas of one node, which share its memory, not a link;
 - between two Slurm nodes, where calibrate runs in the batch step of an allocation of two or
   more nodes: each round is an srun step of one task on each of the first two nodes, placed
-  and met as the project's Slurm jobs are (launch/env.py, launch/slurm.py). calibrate's jobs,
+  and met as the project's Slurm jobs are (proc/env.py, launch/slurm.py). calibrate's jobs,
   the one-node parts, then run on the batch step's node with the local launcher: it takes the
   allocation's variables out of its own environment, or run.py would start them as srun steps;
 - anywhere else the loopback pair is the network too, as it is for the local launcher's nodes.
@@ -49,9 +49,10 @@ from torch.multiprocessing.spawn import ProcessException
 from .. import twin as twins
 from ..config import Config, load_config
 from ..errors import LaunchError
-from ..launch import fabric, slurm
-from ..launch.env import allocation_hosts, in_slurm_allocation, in_slurm_step, plan_for, rendezvous
-from ..launch.fork import die_with_parent
+from ..launch import slurm
+from ..proc import fabric
+from ..proc.env import allocation_hosts, in_slurm_allocation, in_slurm_step, plan_for, rendezvous
+from ..proc.parent import die_with_parent
 from ..launch.local import free_port
 from ..twin.netns import enter
 

@@ -11,7 +11,7 @@ import itertools
 
 from ..config import load_config
 from ..errors import ConfigError, GridError, PlanError
-from ..launch.env import plan_for
+from ..proc.env import plan_for
 
 
 def parse_grid(items: list[str]) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:

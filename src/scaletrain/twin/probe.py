@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..launch.fork import die_with_parent
+from ..proc.parent import die_with_parent
 from .netns import IFNAME, enter
 
 
