@@ -85,7 +85,8 @@ twin-tools:
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20
 
-# The quick target: tests/unit (pure logic and single commands, seconds each), under two minutes;
+# The quick target: tests/unit (pure logic and single commands, seconds each; no cluster),
+# 294 s for 578 tests on an idle two-core machine at 397f97c;
 # `make test` runs everything. Each folder of tests/ is a marker: pytest -m "dist or faults" works too.
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
