@@ -135,6 +135,16 @@ class OptimConfig:
         if self.args and self.name in OPTIMIZERS:
             raise ConfigError(f"optim.args = {self.args!r}: the keyword arguments of a class of yours (optim.name = "
                               f"package.module:Class); optim.name = {self.name!r} takes none")
+        unread = [k for k, names in READ_BY.items() if self.name not in names
+                  and getattr(self, k) != OptimConfig.__dataclass_fields__[k].default]
+        if unread:
+            raise ConfigError(f"optim.{unread[0]} = {getattr(self, unread[0])!r}: optim.name = {self.name!r} does not "
+                              f"read it (read by {' and '.join(READ_BY[unread[0]])} only)")
+
+
+# The optimizer-specific keys, and the optimizers that read them: set for another, one would do nothing.
+READ_BY = {"beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"), "adaptive_eps": ("adamw", "lars", "lamb"),
+           "trust_coefficient": ("lars",)}
 
 
 @dataclass(frozen=True)

@@ -229,3 +229,16 @@ def test_the_built_in_loss_leaves_decay_to_decoupled_optimizers(name, decays_in_
     plain = torch.nn.functional.cross_entropy(model(x), y)
     l2 = 0.25 * model.weight.detach().pow(2).sum()
     assert_close(loss, plain.detach() + (l2 if decays_in_loss else 0))
+
+
+@pytest.mark.parametrize("name, key, reads", [("sgd", "beta1=0.8", False), ("adamw", "trust_coefficient=0.01", False),
+                                              ("rmsprop-tf", "adaptive_eps=1e-6", False), ("lamb", "beta2=0.99", True),
+                                              ("lars", "trust_coefficient=0.01", True)])
+def test_a_key_the_optimizer_does_not_read_is_refused(name, key, reads):
+    """A key set for another optimizer would do nothing: refused in one line naming it."""
+    sets = [f"optim.name={name}", f"optim.{key}"]
+    if reads:
+        load_config(RECIPES / "digits.toml", sets)
+        return
+    with pytest.raises(ConfigError, match=rf"optim\.{key.split('=')[0]} = .*does not read it"):
+        load_config(RECIPES / "digits.toml", sets)
