@@ -249,8 +249,9 @@ class StrategyConfig:
     async_bound: int = opt(0, "async-allreduce: gradients a replica computes while a round is in flight before "
                            "it waits for the round (0 = never waits; 1 = every update exactly 1 stale; 0..4096)",
                            lo=0, hi=4096)
-    slow_node: int = opt(-1, "testing: node whose replicas are slowed down (-1 = none)", lo=-1, hi=4095)
-    slow_delay_s: float = opt(0.0, "testing: seconds added to every step on slow_node (0..60)", lo=0.0, hi=60.0)
+    slow_node: int = opt(-1, "stragglers: node whose replicas compute slower (-1 = none)", lo=-1, hi=4095)
+    slow_delay_s: float = opt(0.0, "stragglers: seconds added to each update's compute on slow_node (0..60)",
+                               lo=0.0, hi=60.0)
     emulate_workers: int = opt(0, "one process trains as K equal-speed asynchronous workers would: each "
                                "gradient K-1 updates stale; with strategy.name = async-allreduce, as K replicas "
                                "whose rounds take a step: each update the mean of K gradients one update stale "

@@ -12,9 +12,9 @@ The built-in loop (loop.py) and a user's script take the same path:
     print(job.figures())
 
 `wrap` builds the recipe's strategy (strategy.name: strategies/build.py) around the model and
-optimizer and resumes them from the run's checkpoint; `step` is the strategy's step followed by what
-the job does at sync points (evaluation, checkpoints, a stop asked by a signal or a reached target:
-tracker.py). The job's progress counts images applied (schedule.py), so `batches()` ends when its
+optimizer and resumes them from the run's checkpoint (assembly.py: the parts, in their order);
+`step` is the strategy's step followed by what the job does at sync points (evaluation,
+checkpoints, a stop asked by a signal or a reached target: tracker.py). The job's progress counts images applied (schedule.py), so `batches()` ends when its
 target is reached, for every strategy alike. `figures()` ends the job and returns its summary
 (summary.json, written by the chief).
 
@@ -37,28 +37,26 @@ from typing import Any
 import torch
 
 from . import schedule
+from .assembly import assemble, loop_module, noise_split, slowed
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
-from .compute import around, hold_grads, keep_freed_memory
-from .config import Config, dump_toml
+from .compute import hold_grads, keep_freed_memory
+from .config import Config
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
 from .ema import Ema
 from .errors import REPORTED, ConfigError, RunError
 from .job_env import default_run_dir, joining
 from .launch import join, supervise
-from .proc import env as launch_env
 from .metrics import start_up
 from .mixing import Mixer
-from .noise import NoiseScale, half_batch, squared_norm
-from .optim import build_optimizer, decayed, loss_decay, loss_fn, lr_at
-from .pipeline import Pipeline
-from .replicas import load_replica_buffers
-from .resume import newest_checkpoint, resume_from
-from .rundir import make as make_run_dir, prepare_run_dir
+from .noise import half_batch, squared_norm
+from .optim import decayed, loss_decay, loss_fn, lr_at
+from .proc import env as launch_env
+from .resume import newest_checkpoint
+from .rundir import prepare_run_dir
 from .strategies.base import Tick
-from .strategies.build import build_strategy
 from .strategies.traits import entry, images_per_update
 from .tracker import Tracker
 
@@ -183,73 +181,31 @@ class Job:
         if optimizer is not None and cfg.parallel.stages > 1:
             raise ConfigError(f"parallel.stages = {cfg.parallel.stages}: each stage steps the recipe's [optim] over its "
                               "own layers; call job.wrap(model) without an optimizer")
-        sched = self.schedule
         found = newest_checkpoint(self.run_dir / "checkpoints", cfg, ctx.distributed) if self.resume else None
-        # With stages, this process's layers go to its device and the others stay where they are (pipeline.py);
-        # a resumed run keeps its checkpoint's split (a split by measured times may differ from run to run)
-        self.pipeline = Pipeline(cfg, ctx, model, device, found and found[0].get("pipeline_split")) \
-            if cfg.parallel.stages > 1 else None
-        net = self.pipeline.module if self.pipeline else model.to(device)
-        model = model if self.pipeline else net
-        self._channels_last = cfg.train.channels_last and device.type == "cuda"
-        if self._channels_last:
-            net = model = model.to(memory_format=torch.channels_last)
-        opt = optimizer or build_optimizer(cfg.optim, net.parameters())
-        resumed = resume_from(found, model, opt, sched.step_images, self.pipeline and self.pipeline.local_optimizer) \
-            if found else None
-        if ctx.is_chief:
-            make_run_dir(self.run_dir)  # only now: a config or data refused above leaves no directory behind
-            (self.run_dir / "config.toml").write_text(dump_toml(cfg))
-            (self.run_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
-        self.strategy = build_strategy(cfg, ctx, net, opt, sched)
-        if self.pipeline:
-            self.strategy.set_stages([[q.numel() for q in part.parameters()] for part in self.pipeline.parts])
-        if resumed is not None:
-            self.strategy.restore(resumed.state)
-            saved = resumed.state.get("replica_buffers")
-            load_replica_buffers(net, saved[ctx.me.stage] if saved and self.pipeline else saved,
-                                 ctx.plan.replica_of(ctx.me))
-        # After restore (a PS strategy's values are the shards'); a stage averages its own layers (ema.py)
-        self.ema = Ema(cfg.train.ema_decay, model, net) if cfg.train.ema_decay else None
-        if resumed is not None:
-            if self.ema is not None:
-                self.ema.load_state_dict(resumed.state.get("ema"))
-            resumed.state = None  # the model, optimizer and strategy hold it now
-        prepare = Prepare(cfg.data.augment, self.train_set.stats, device, self._channels_last)
-        self.tracker = t = Tracker(cfg, ctx, self.run_dir, model, self.strategy, sched, prepare, len(self.train_set),
-                                   self.test_set, resumed, self.progress, self.pipeline, self.ema)
-        self.tick = Tick(t.images0, False, t.images0 >= sched.target)
-        self._decayed = decayed(net)
-        self._slow = cfg.strategy.slow_delay_s if ctx.me.node == cfg.strategy.slow_node else 0.0
-        model.train()
+        parts = assemble(cfg, ctx, device, self.run_dir, self.classes, self.schedule, model, optimizer, found)
+        self.strategy, self.pipeline, self.ema = parts.strategy, parts.pipeline, parts.ema
+        prepare = Prepare(cfg.data.augment, self.train_set.stats, device, parts.channels_last)
+        self.tracker = t = Tracker(cfg, ctx, self.run_dir, parts.model, self.strategy, self.schedule, prepare,
+                                   len(self.train_set), self.test_set, parts.resumed, self.progress, self.pipeline,
+                                   self.ema)
+        t.compute_time = slowed(t.compute_time, cfg, ctx.me.node)  # strategy.slow_node: an emulated straggler
+        self.tick = Tick(t.images0, False, t.images0 >= self.schedule.target)
+        self._decayed = decayed(parts.net)
+        parts.model.train()
         if ctx.distributed:
             t.bar.message(start_up("data ready, training"))
-        # Emulated compute runs no backward: the strategy averages in its step, not in a DDP's backward.
-        module = self.strategy.model if cfg.train.emulate_compute_s else self.strategy.wrap()
-        self._averaging = module is not self.strategy.model  # in the backward of a forward through module
-        if self.pipeline:
-            module, self._averaging = self.pipeline.build(module), True  # job.forward_backward counts the forwards
-        b = cfg.data.batch_size
-        if cfg.train.noise_every and self.strategy.noise is None and b >= 2 and not cfg.train.emulate_compute_s \
-                and not cfg.strategy.emulate_workers:  # no group to average with: half the batch, at times
-            self._split_every = cfg.train.noise_every
-            self.strategy.noise = NoiseScale(b // 2, b * self._accum, device)  # half a micro-batch, the update
-        elif cfg.train.noise_every:
-            t.not_applied["train.noise_every"] = (
-                "the replicas' group measures the noise scale at every step" if self.strategy.noise is not None
-                else "no backward of this batch's gradients to measure (emulated compute or workers, or 1 image)")
+        module, self._averaging, self._calls_only = loop_module(cfg, parts, device)
+        self._split_every = noise_split(cfg, self.strategy, device, t.not_applied)
         if t.not_applied and ctx.is_chief:
             log.warning("not applied: %s", "; ".join(f"{k} = {v}" for k, v in t.not_applied.items()))
-        if self._averaging and not self.pipeline:
+        if self._averaging and not self.pipeline:  # job.forward_backward counts a pipeline's forwards
             module.register_forward_pre_hook(self._forwarded)
-        if not self.pipeline:  # the stages' schedule autocasts itself, and compiles nothing (config_checks)
-            module, self._calls_only = around(module, opt, cfg.train.precision, cfg.train.compile, device)
-            if self._calls_only:  # bf16, compile: in effect only where the loop calls this module
-                module.register_forward_pre_hook(self._called)
+        if self._calls_only:  # bf16, compile: in effect only where the loop calls this module
+            module.register_forward_pre_hook(self._called)
         if self._accum > 1:  # the micro-batches of an update add up their gradients: no zeroing between them
-            hold_grads(lambda: self._micro > 0, opt, module, net, model, self.strategy.model)
+            hold_grads(lambda: self._micro > 0, parts.optimizer, module, parts.net, parts.model, self.strategy.model)
         self._module = module
-        return module, opt
+        return module, parts.optimizer
 
     def _forwarded(self, module, args) -> None:
         self._forwards += 1
@@ -349,8 +305,6 @@ class Job:
             self.strategy.noise.step()
             self._half_sq = None
         t, sched = self.tracker, self.schedule
-        if self._slow:
-            time.sleep(self._slow)  # testing only: an emulated straggler
         t.compute_time.stop()
         if lr is None:
             lr = lr_at(self.cfg.optim, sched.step_of(self.tick.images), sched.steps, images_per_update(self.cfg))
