@@ -88,15 +88,22 @@ class Decoupled(torch.optim.Optimizer):
         return params
 
 
-class AdamW(Decoupled):
-    """torch's AdamW update (its multi-tensor kernel: torch.optim.adamw.adamw with foreach), weight
-    decay left out for the excluded parameters: timm's default of no decay on biases and norms."""
+class Moments(Decoupled):
+    """What AdamW and Lamb share: Adam's two moments of the gradient, betas and eps (by default the
+    class's EPS, each paper's own)."""
 
     STATE = ("exp_avg", "exp_avg_sq")
+    EPS = 1e-8
 
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float | None = None, weight_decay: float = 0.01,
                  excluded: list[bool] | None = None) -> None:
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), excluded)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=self.EPS if eps is None else eps,
+                                      weight_decay=weight_decay), excluded)
+
+
+class AdamW(Moments):
+    """torch's AdamW update (its multi-tensor kernel: torch.optim.adamw.adamw with foreach), weight
+    decay left out for the excluded parameters: timm's default of no decay on biases and norms."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -154,17 +161,13 @@ class Lars(Decoupled):
                 p.add_(g, alpha=-group["lr"])
 
 
-class Lamb(Decoupled):
+class Lamb(Moments):
     """LAMB (You et al. 2019) as timm's Lamb without its gradient clipping: Adam's bias-corrected step
     m_hat / (sqrt(v_hat) + eps), plus wd * w, scaled for each layer not excluded by |w| / |update|.
     Excluded parameters take the Adam step alone, no decay."""
 
-    STATE = ("exp_avg", "exp_avg_sq")
+    EPS = 1e-6
     LAYERWISE = True
-
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
-                 excluded: list[bool] | None = None) -> None:
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), excluded)
 
     @torch.no_grad()
     def step(self, closure=None):
