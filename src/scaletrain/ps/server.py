@@ -60,14 +60,15 @@ from .. import checkpoint, pipeline, schedule
 from ..comm import p2p
 from ..comm.liveness import HEARTBEAT_S, STALE_S
 from ..data import build_datasets
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
 from ..models import build_model
-from ..optim import LAYERED, build_optimizer, compensate, is_class_path, lr_at, probe, staleness_scale, state_keys
+from ..optim import compensate, lr_at, staleness_scale
 from ..schedule import Schedule
 from ..stats import HIST_BINS
 from ..strategies import traits
 from . import protocol as P
-from .sharding import Piece, gather, make_layout, pieces
+from .shard_optim import ShardOptimizer
+from .sharding import gather, make_layout, pieces
 
 log = logging.getLogger("scaletrain")
 
@@ -88,7 +89,7 @@ class Shard:
         self.values = torch.nn.Parameter(gather(params, self.layout.shards[shards.index(index)]).clone())
         # where each layer's piece lies in `values`, and whether it is a bias or a norm (sharding.Piece)
         self.pieces = pieces(self.layout.shards[shards.index(index)], [tuple(p.shape) for p in params])
-        self.optimizer, self.stepped, self.spans = shard_optimizer(cfg, self.values, self.pieces)
+        self.optimizer = ShardOptimizer(cfg, self.values, self.pieces)
         self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
         self.push_images, self.update_images = push_images, update_images
         self.pushers, self.active, self.lost, self.ctx = list(pushers), set(pushers), set(), ctx
@@ -301,11 +302,7 @@ class Shard:
 
     def _apply(self, grad: torch.Tensor, images: int, lr_scale: float = 1.0) -> None:
         s = self.schedule
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr_scale * lr_at(self.cfg.optim, s.step_of(self.images), s.steps, self.update_images)
-        for t, (a, n) in zip(self.stepped, self.spans):  # views: no copy
-            t.grad = grad if t is self.values else grad[a:a + n]
-        self.optimizer.step()
+        self.optimizer.step(grad, lr_scale * lr_at(self.cfg.optim, s.step_of(self.images), s.steps, self.update_images))
         self.version += 1
         self.applied += 1
         before, self.images = self.images, self.images + images
@@ -357,12 +354,7 @@ class Shard:
     def state(self) -> list[torch.Tensor]:
         """The values, then the optimizer state tensors, each the shard's size (none before the first
         update): pieces' state laid end to end as their values are."""
-        sts = [self.optimizer.state.get(t, {}) for t in self.stepped]
-        if not sts or not sts[0]:
-            return [self.values.detach()]
-        keys = state_keys(self.cfg.optim)
-        return [self.values.detach()] + [sts[0][k] if len(sts) == 1 else torch.cat([st[k] for st in sts])
-                                         for k in keys]
+        return [self.values.detach(), *self.optimizer.state()]
 
     def _send_state(self, dst: int) -> None:
         # Checkpoint traffic: not counted in the per-step bytes.
@@ -383,42 +375,8 @@ class Shard:
             w.copy_(values)
         self.version = saved["version"]
         if saved["optimizer"]:
-            for t, (a, n) in zip(self.stepped, self.spans):
-                self.optimizer.state[t] = {k: v[a:a + n].clone() for k, v in saved["optimizer"].items()}
-            self._restore_steps()
+            self.optimizer.load(saved["optimizer"], self.version)
         self.images = saved.get("images", self.version * self.update_images)  # older checkpoints: derived
-
-    def _restore_steps(self) -> None:
-        """A step count is no tensor of the shard's size, so the snapshot has none: it is the shard's
-        version (one optimizer step an update). adamw and lamb keep it in the param group; a class of the
-        user's may keep a 0-d "step" a parameter, as torch's do. Other 0-d state cannot be restored."""
-        for group in self.optimizer.param_groups:
-            if "step" in group:
-                group["step"] = self.version
-        if not is_class_path(self.cfg.optim.name):
-            return
-        scalars = probe(self.cfg.optim)[1]
-        if set(scalars) - {"step"}:
-            raise CheckpointError(f"optim.name = {self.cfg.optim.name!r} keeps 0-d state "
-                                  f"{sorted(set(scalars) - {'step'})} that a PS shard's snapshot does not hold")
-        for t in self.stepped:
-            self.optimizer.state[t].update({k: torch.tensor(float(self.version)) for k in scalars})
-
-
-def shard_optimizer(cfg, values: torch.nn.Parameter, parts: tuple[Piece, ...]):
-    """(the shard's optimizer, the tensors it steps, where each lies in `values`). adamw, lars and lamb step
-    each piece as a parameter of its own, a view of `values`, so that a layer's norms and its exclusion
-    from decay are its own; sgd, rmsprop-tf (elementwise) and a class of the user's step the one flat
-    slice. A layer cut between shards has norms no shard can take: refused for lars and lamb."""
-    o = cfg.optim
-    if o.name not in LAYERED or not parts:
-        return build_optimizer(o, [values]), [values], [(0, values.numel())]
-    if LAYERED[o.name].LAYERWISE and not all(q.whole for q in parts):
-        raise ConfigError(f"optim.name = {o.name!r} scales each layer by its norms, and cluster.sharding = "
-                          f"{cfg.cluster.sharding!r} cuts layers between the {cfg.cluster.num_ps} PS shards: set "
-                          "cluster.sharding = 'round-robin' (whole tensors on each shard)")
-    views = [torch.nn.Parameter(values.detach()[q.offset:q.offset + q.size]) for q in parts]  # share its memory
-    return build_optimizer(o, views, [q.excluded for q in parts]), views, [(q.offset, q.size) for q in parts]
 
 
 def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
