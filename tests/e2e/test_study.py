@@ -145,12 +145,12 @@ def test_check_cells_names_the_first_cell_whose_relations_fail():
 
 @pytest.mark.parametrize("command", ["bench", "study", "predict"])
 def test_several_grid_entries_after_one_flag(command):
-    from scaletrain.cli import _parser
+    from scaletrain.cli_args import parser
 
     need = ["--recipe", DIGITS] + (["--profile", "p.toml"] if command == "predict" else [])
-    one = _parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1",
+    one = parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1",
                                 "--set", "data.workers=0"])
-    two = _parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2",
+    two = parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2",
                                 "--grid", "strategy.name+cluster.num_ps=a:0,b:1", "--set", "data.workers=0"])
     assert one.grid == two.grid == ["cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1"]
     assert one.overrides == ["data.workers=0"]  # the next flag ends the list

@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # The core has floors of its own: on top, what starts and joins a job (the orchestrators of launch/, run,
 # and Job with its loop and tracker, which a launcher's processes enter); below, everything a job's
 # processes are made of, process primitives (proc/) and communication (comm/) at the bottom of it.
-LAYERS = [("scaletrain.cli", "scaletrain.__main__", "scaletrain.api"), ("scaletrain.study",),
+LAYERS = [("scaletrain.cli", "scaletrain.cli_args", "scaletrain.__main__", "scaletrain.api"),
+          ("scaletrain.study",),
           ("scaletrain.perfmodel",),
           ("scaletrain.run", "scaletrain.launch", "scaletrain.job", "scaletrain.job_env", "scaletrain.loop",
            "scaletrain.tracker", "scaletrain.doctor"),
