@@ -10,7 +10,8 @@
    allreduce, whose backward averages the gradients), the pipeline's schedule around it, or, around
    both, torch.compile and autocast (compute.around).
 3. `noise_split`: how one replica measures the gradient noise scale when no group measures it.
-4. `Slowed`: the straggler's compute (strategy.slow_node), for the study of stragglers.
+4. `compute_timer`: the timer of a replica's compute, the straggler's slowed (strategy.slow_node),
+   for the study of stragglers.
 
 Job (job.py) keeps the loop's calls and the job's lifetime; the tracker, which reports the job, is
 built between 1 and 2 from what `assemble` returns.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +30,7 @@ from .comm.groups import Context
 from .compute import around
 from .config import Config, dump_toml
 from .ema import Ema
+from .metrics import DeviceTimer, sync
 from .noise import NoiseScale
 from .optim import build_optimizer
 from .pipeline import Pipeline
@@ -119,28 +121,31 @@ def noise_split(cfg: Config, strategy: Strategy, device: torch.device, not_appli
     return 0
 
 
-class Slowed:
+class Slowed(DeviceTimer):
     """A replica's compute timer on the straggler node (strategy.slow_node = the node, slow_delay_s
     = the seconds): each update's compute starts with that sleep, inside the timed compute, as a
-    slower device's would take longer. One sleep an update, at its first micro-batch's start, what
-    the performance model assumes (perfmodel/simulate.py). Any loop, real or emulated compute,
-    pipeline stages, takes it: job.batches() starts the timer before each batch it gives."""
+    slower device's would take longer. One delay an update, as the performance model adds
+    (perfmodel/simulate.py), at the update's first micro-batch (`first()`). On a GPU the queued work
+    of the update before ends first (a host-device sync, as compute.Emulated's): a sleep beside it
+    would be hidden by it, and the timer's start event would fire only after it. Any loop takes it,
+    real or emulated compute, pipeline stages: job.batches() starts the timer before each batch."""
 
-    def __init__(self, timer, delay: float, accum: int) -> None:
-        self.timer, self.delay, self.accum, self.started = timer, delay, accum, 0
+    def __init__(self, device: torch.device, delay: float, first: Callable[[], bool]) -> None:
+        super().__init__(device)
+        self.device, self.delay, self.first = device, delay, first
 
     def start(self) -> None:
-        self.timer.start()
-        if self.started % self.accum == 0:
-            time.sleep(self.delay)
-        self.started += 1
-
-    def __getattr__(self, name: str):
-        return getattr(self.timer, name)  # stop, seconds: the timer's own
+        if not self.first():
+            return super().start()
+        sync(self.device)
+        super().start()
+        time.sleep(self.delay)
 
 
-def slowed(timer, cfg: Config, node: int):
-    """The compute timer of a replica on `node`: Slowed on strategy.slow_node, the timer itself elsewhere."""
+def compute_timer(cfg: Config, node: int, device: torch.device, first: Callable[[], bool]) -> DeviceTimer:
+    """The timer of a replica's compute on `node`: Slowed on strategy.slow_node, a DeviceTimer elsewhere.
+    first(): whether the micro-batch about to start is its update's first."""
     s = cfg.strategy
-    return Slowed(timer, s.slow_delay_s, cfg.train.grad_accum_steps) if node == s.slow_node and s.slow_delay_s \
-        else timer
+    if node == s.slow_node and s.slow_delay_s:
+        return Slowed(device, s.slow_delay_s, first)
+    return DeviceTimer(device)

@@ -14,9 +14,9 @@ The built-in loop (loop.py) and a user's script take the same path:
 `wrap` builds the recipe's strategy (strategy.name: strategies/build.py) around the model and
 optimizer and resumes them from the run's checkpoint (assembly.py: the parts, in their order);
 `step` is the strategy's step followed by what the job does at sync points (evaluation,
-checkpoints, a stop asked by a signal or a reached target: tracker.py). The job's progress counts images applied (schedule.py), so `batches()` ends when its
-target is reached, for every strategy alike. `figures()` ends the job and returns its summary
-(summary.json, written by the chief).
+checkpoints, a stop asked by a signal or a reached target: tracker.py). The job's progress counts
+images applied (schedule.py), so `batches()` ends when its target is reached, for every strategy
+alike. `figures()` ends the job and returns its summary (summary.json, written by the chief).
 
 Job.from_env places this process: a single-process config trains here; under torchrun, srun or
 the local launcher the process joins the job (a parameter server's process serves its shard and
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import schedule
-from .assembly import assemble, loop_module, noise_split, slowed
+from .assembly import assemble, compute_timer, loop_module, noise_split
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
@@ -188,7 +188,7 @@ class Job:
         self.tracker = t = Tracker(cfg, ctx, self.run_dir, parts.model, self.strategy, self.schedule, prepare,
                                    len(self.train_set), self.test_set, parts.resumed, self.progress, self.pipeline,
                                    self.ema)
-        t.compute_time = slowed(t.compute_time, cfg, ctx.me.node)  # strategy.slow_node: an emulated straggler
+        t.compute_time = compute_timer(cfg, ctx.me.node, device, lambda: self._micro == 0)  # a straggler's, slowed
         self.tick = Tick(t.images0, False, t.images0 >= self.schedule.target)
         self._decayed = decayed(parts.net)
         parts.model.train()
@@ -332,7 +332,8 @@ class Job:
     def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The recipe's loss of a batch, the built-in loop's: cross-entropy plus optim.weight_decay / 2
         times the sum of squares of the weights it decays (optim.decayed: not biases or normalisation
-        scales; no such term under adamw, lars and lamb, which decay in the optimizer: optim.loss_decay). y: class indices, or the soft targets batches() gives with label smoothing or mixing.
+        scales; no such term under adamw, lars and lamb, which decay in the optimizer: optim.loss_decay).
+        y: class indices, or the soft targets batches() gives with label smoothing or mixing.
         A loop may use its own; under parameter servers a loss's decay is the only one (the shards'
         optimizer has none of its own). Every train.noise_every steps it also measures the gradient of
         the first half of the batch (noise.half_batch) toward the same targets, soft ones included."""
