@@ -4,8 +4,8 @@ Each strategy runs as a real local job (processes, gloo) to the same target:
 steps x replicas x batch images applied. The figures are the job's: images
 applied over the job's training time, on the chief's clock; images computed
 (dropped gradients included) are given beside them. The single-process figure
-is given for reference. `--slow-delay S` slows the last node by S seconds a
-step (a straggler). Prints one JSON object.
+is given for reference. `--slow-delay S` slows the last node's compute by S
+seconds an update (a straggler). Prints one JSON object.
 
     python benchmarks/strategies.py [--nodes 2 --gpus-per-node 2 --steps 60 --batch 32 --slow-delay 0]
 """
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--num-ps", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--slow-delay", type=float, default=0.0, help="seconds added to every step of the last node")
+    ap.add_argument("--slow-delay", type=float, default=0.0, help="seconds added to each update's compute on the last node")
     a = ap.parse_args()
     base = [f"train.steps={a.steps}", "train.eval_every=0", "train.warmup_log_steps=5", "data.workers=0",
             "train.log_every=5", f"data.batch_size={a.batch}"]

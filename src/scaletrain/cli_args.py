@@ -9,8 +9,8 @@ from .perfmodel import OBJECTIVES
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scaletrain", description="Train CNN image classifiers data-parallel on one machine,\n"
-                                "under torchrun or Slurm, and study how the training scales.")
+    p = argparse.ArgumentParser(prog="scaletrain", description="Train CNN image classifiers data-parallel on one "
+                                "machine, under torchrun or Slurm, and study how the training scales.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model from a recipe")
     recipe_args(t)

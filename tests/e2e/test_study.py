@@ -149,9 +149,9 @@ def test_several_grid_entries_after_one_flag(command):
 
     need = ["--recipe", DIGITS] + (["--profile", "p.toml"] if command == "predict" else [])
     one = parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1",
-                                "--set", "data.workers=0"])
+                               "--set", "data.workers=0"])
     two = parser().parse_args([command, *need, "--grid", "cluster.nodes=1,2",
-                                "--grid", "strategy.name+cluster.num_ps=a:0,b:1", "--set", "data.workers=0"])
+                               "--grid", "strategy.name+cluster.num_ps=a:0,b:1", "--set", "data.workers=0"])
     assert one.grid == two.grid == ["cluster.nodes=1,2", "strategy.name+cluster.num_ps=a:0,b:1"]
     assert one.overrides == ["data.workers=0"]  # the next flag ends the list
 

@@ -16,6 +16,8 @@ from .sharding import Piece
 
 
 class ShardOptimizer:
+    """The recipe's [optim] over one shard's values (the module doc)."""
+
     def __init__(self, cfg, values: torch.nn.Parameter, parts: tuple[Piece, ...]) -> None:
         """A layer cut between shards has norms no shard can take: refused for lars and lamb."""
         o, self.cfg, self.values = cfg.optim, cfg, values
