@@ -115,6 +115,36 @@ def _held(zero_grad, accumulating):
     return unless_accumulating
 
 
+class Accumulation:
+    """train.grad_accum_steps = k micro-batches to an update (job.py): which one is under way (`micro`,
+    0 at an update's first) and, at the k-th, the update's loss and images with .grad divided by k: the
+    mean over its micro-batches, which the strategy averages and applies as it would one batch's
+    gradient, so that a loop's own loss needs no 1/k of its own. No host sync: the division is queued
+    on the device."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.micro, self.loss, self.images = k, 0, None, 0
+
+    @property
+    def last(self) -> bool:
+        """Whether the micro-batch under way is its update's last."""
+        return self.micro == self.k - 1
+
+    def add(self, loss: torch.Tensor, images: int, params) -> tuple[torch.Tensor, int] | None:
+        """One micro-batch stepped: None while its update has more to come; at the k-th, (the mean of
+        their losses, their images)."""
+        if self.k == 1:
+            return loss, images
+        self.loss = loss.float() if not self.micro else self.loss + loss.float()
+        self.images = images + (self.images if self.micro else 0)
+        self.micro += 1
+        if self.micro < self.k:
+            return None
+        self.micro = 0
+        torch._foreach_div_([p.grad for p in params if p.grad is not None], float(self.k))
+        return self.loss / self.k, self.images
+
+
 def around(module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str, compiled: bool,
            device: torch.device) -> tuple[torch.nn.Module, list[str]]:
     """The module a loop calls (job.wrap's, the built-in loop's and a user's alike): `module` compiled

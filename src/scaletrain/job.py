@@ -41,7 +41,7 @@ from .assembly import assemble, compute_timer, loop_module, noise_split
 from .comm.end import stop_signals, stopped
 from .comm.groups import Context, single
 from .comm.liveness import CHECKPOINT
-from .compute import hold_grads, keep_freed_memory
+from .compute import Accumulation, hold_grads, keep_freed_memory
 from .config import Config
 from .data import DataError, Prepare, build_datasets, train_loader
 from .device import facts, resolve, setup as setup_kernels
@@ -117,8 +117,7 @@ class Job:
         self._images = 0  # the images of the batch given last
         self._split_every, self._half_sq = 0, None  # one replica's noise scale (noise.py: half_batch)
         self._steps = 0  # updates of this process: job.step() calls, or every train.grad_accum_steps-th
-        self._accum, self._micro = cfg.train.grad_accum_steps, 0  # micro-batches an update, those stepped so far
-        self._micro_loss, self._micro_images = None, 0  # their losses and images summed
+        self._accum = Accumulation(cfg.train.grad_accum_steps)  # the micro-batches of an update
         self._calls_only, self._calls = [], 0  # keys only calls of wrap()'s module apply; its calls
 
     # --- the constructor for scripts ------------------------------------------------------------------
@@ -188,7 +187,7 @@ class Job:
         self.tracker = t = Tracker(cfg, ctx, self.run_dir, parts.model, self.strategy, self.schedule, prepare,
                                    len(self.train_set), self.test_set, parts.resumed, self.progress, self.pipeline,
                                    self.ema)
-        t.compute_time = compute_timer(cfg, ctx.me.node, device, lambda: self._micro == 0)  # a straggler's, slowed
+        t.compute_time = compute_timer(cfg, ctx.me.node, device, lambda: self._accum.micro == 0)  # a straggler's
         self.tick = Tick(t.images0, False, t.images0 >= self.schedule.target)
         self._decayed = decayed(parts.net)
         parts.model.train()
@@ -202,8 +201,9 @@ class Job:
             module.register_forward_pre_hook(self._forwarded)
         if self._calls_only:  # bf16, compile: in effect only where the loop calls this module
             module.register_forward_pre_hook(self._called)
-        if self._accum > 1:  # the micro-batches of an update add up their gradients: no zeroing between them
-            hold_grads(lambda: self._micro > 0, parts.optimizer, module, parts.net, parts.model, self.strategy.model)
+        if self._accum.k > 1:  # the micro-batches of an update add up their gradients: no zeroing between them
+            hold_grads(lambda: self._accum.micro > 0, parts.optimizer, module, parts.net, parts.model,
+                       self.strategy.model)
         self._module = module
         return module, parts.optimizer
 
@@ -216,7 +216,7 @@ class Job:
     def batches(self):
         """This replica's batches as (x, y) on its device, normalised and augmented as the recipe says,
         until the job's target is reached (or a stop: should_stop). Each needs one job.step() before the
-        next; with train.grad_accum_steps = k they are micro-batches, k to an update (job._accumulated).
+        next; with train.grad_accum_steps = k they are micro-batches, k to an update (compute.Accumulation).
         From a resumed checkpoint they go on where it stopped. Under train.emulate_compute_s no data
         is read: each batch is None (compute.Emulated). With train.label_smoothing, data.mixup_alpha or
         data.cutmix_alpha, x is mixed and y is soft targets, N x model.num_classes probabilities, which
@@ -227,7 +227,7 @@ class Job:
         replica = ctx.plan.replica_of(ctx.me)  # a pipeline's stages share it: they mix their batch alike
         mixer = Mixer(cfg, replica)
         loader = None if emulated else iter(train_loader(  # the loader's steps are micro-batches
-            self.train_set, cfg, self.schedule.step_of(self.tick.images) * self._accum, None, world=ctx.plan.replicas,
+            self.train_set, cfg, self.schedule.step_of(self.tick.images) * self._accum.k, None, world=ctx.plan.replicas,
             rank=replica, pin=self.device.type == "cuda")[0])
         try:
             while not self.tick.stop:
@@ -243,11 +243,11 @@ class Job:
                                         "a distributed step needs at least one; see the warnings above")
                     continue
                 if mixer.on and batch is not None:  # on the device, keyed by the micro-batch: a resumed run mixes alike
-                    batch = mixer(batch, self.schedule.step_of(self.tick.images) * self._accum + self._micro)
+                    batch = mixer(batch, self.schedule.step_of(self.tick.images) * self._accum.k + self._accum.micro)
                 self._images = cfg.data.batch_size if emulated else len(batch[1])
                 self._pending = True
-                if self._accum > 1:  # all-reduce the update's gradient in its last micro-batch's backward only
-                    self.strategy.sync_backward(self._micro == self._accum - 1)
+                if self._accum.k > 1:  # all-reduce the update's gradient in its last micro-batch's backward only
+                    self.strategy.sync_backward(self._accum.last)
                 t.compute_time.start()
                 yield batch
         finally:
@@ -293,12 +293,11 @@ class Job:
                            "backward are job.forward_backward(x, y)'s; call it before job.step(loss)")
         self._pending, self._forwards = False, 0
         loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        images = self._images
-        if self._accum > 1:
-            if not self._accumulated(loss):
-                self.tracker.compute_time.stop()
-                return  # more micro-batches of this update to come: no strategy step, no sync point
-            loss, images = self._micro_loss / self._accum, self._micro_images
+        update = self._accum.add(loss, self._images, self.strategy.params)
+        if update is None:
+            self.tracker.compute_time.stop()
+            return  # more micro-batches of this update to come: no strategy step, no sync point
+        loss, images = update
         self._steps += 1
         if self._half_sq is not None:  # job.loss measured half the batch: the whole batch's gradient is in .grad
             self.strategy.noise.add(self._half_sq, squared_norm(p.grad for p in self.strategy.params))
@@ -315,20 +314,6 @@ class Job:
         if self.tick.synced:
             self.tick = t.sync_point(self.tick)
 
-    def _accumulated(self, loss: torch.Tensor) -> bool:
-        """One micro-batch of an update stepped (train.grad_accum_steps = k): its loss and images summed.
-        At the k-th, True, with .grad divided by k: the mean over the update's micro-batches, which the
-        strategy averages and applies as it would one batch's gradient, so a loop's own loss needs no
-        1/k of its own. No host sync: the division is queued on the device."""
-        self._micro_loss = loss.float() if not self._micro else self._micro_loss + loss.float()
-        self._micro_images = self._images + (self._micro_images if self._micro else 0)
-        self._micro += 1
-        if self._micro < self._accum:
-            return False
-        self._micro = 0
-        torch._foreach_div_([p.grad for p in self.strategy.params if p.grad is not None], float(self._accum))
-        return True
-
     def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The recipe's loss of a batch, the built-in loop's: cross-entropy plus optim.weight_decay / 2
         times the sum of squares of the weights it decays (optim.decayed: not biases or normalisation
@@ -340,7 +325,7 @@ class Job:
         self._wrapped("loss")
         wd = loss_decay(self.cfg.optim)
         if self._split_every and self._steps % self._split_every == 0 and output.requires_grad and len(y) >= 2 \
-                and not self._micro:  # an update's first micro-batch: measured once an update
+                and not self._accum.micro:  # an update's first micro-batch: measured once an update
             self._half_sq = half_batch(lambda out, lab: loss_fn(out.float(), lab, self._decayed, wd), output, y,
                                        self.strategy.params)
         return loss_fn(output.float(), y, self._decayed, wd)
