@@ -100,8 +100,8 @@ class OptimConfig:
                     "as Class(params, lr=optim.lr, **optim.args) (under a PS, over each shard's flat slice)",
                     parse=name_or_path(OPTIMIZERS, "a built-in optimizer"))
     lr: float = opt(0.1, "peak learning rate (0..10)", lo=0.0, hi=10.0)
-    momentum: float = opt(0.9, "momentum (0..<1); rmsprop-tf applies it to the scaled update as TF does",
-                          lo=0.0, hi=0.999999)
+    momentum: float = opt(0.9, "sgd, lars, rmsprop-tf: momentum (0..<1); rmsprop-tf applies it to the scaled "
+                               "update as TF does", lo=0.0, hi=0.999999)
     decay: float = opt(0.9, "rmsprop-tf: decay of the mean-square accumulator (0..<1)", lo=0.0, hi=0.999999)
     eps: float = opt(1.0, "rmsprop-tf: epsilon, inside the square root as in TF 1.x (>0)", lo=1e-12, hi=1e3)
     weight_decay: float = opt(1e-4, "sgd, rmsprop-tf and a class of yours: an L2 term added to the loss, wd/2 * sum "
@@ -143,7 +143,8 @@ class OptimConfig:
 
 
 # The optimizer-specific keys, and the optimizers that read them: set for another, one would do nothing.
-READ_BY = {"beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"), "adaptive_eps": ("adamw", "lars", "lamb"),
+READ_BY = {"momentum": ("sgd", "rmsprop-tf", "lars"), "decay": ("rmsprop-tf",), "eps": ("rmsprop-tf",),
+           "beta1": ("adamw", "lamb"), "beta2": ("adamw", "lamb"), "adaptive_eps": ("adamw", "lars", "lamb"),
            "trust_coefficient": ("lars",)}
 
 

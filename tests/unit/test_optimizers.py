@@ -233,7 +233,9 @@ def test_the_built_in_loss_leaves_decay_to_decoupled_optimizers(name, decays_in_
 
 @pytest.mark.parametrize("name, key, reads", [("sgd", "beta1=0.8", False), ("adamw", "trust_coefficient=0.01", False),
                                               ("rmsprop-tf", "adaptive_eps=1e-6", False), ("lamb", "beta2=0.99", True),
-                                              ("lars", "trust_coefficient=0.01", True)])
+                                              ("lars", "trust_coefficient=0.01", True), ("adamw", "momentum=0.5", False),
+                                              ("sgd", "decay=0.5", False), ("lamb", "eps=0.5", False),
+                                              ("rmsprop-tf", "momentum=0.5", True)])
 def test_a_key_the_optimizer_does_not_read_is_refused(name, key, reads):
     """A key set for another optimizer would do nothing: refused in one line naming it."""
     sets = [f"optim.name={name}", f"optim.{key}"]
