@@ -18,7 +18,14 @@ the largest, C (or --capacity-gbps C), as what the machine may carry at once (ti
 the machine). A row loads it with about nodes x rate for a ring (every node sends at the link
 rate at once) and 2 x rate for a parameter server (its node's link, both ways), and at least
 nodes / 2 x rate (the row's self-test sends over every pair of nodes at once); the row's
-cluster.time_scale k is the smallest of 1, 2, 5, 10, 20, 50, 100 that brings load / k within it.
+cluster.time_scale k is the smallest of 1, 2, 5, 10, 20, 50, 100 that brings load / k within it and,
+second bound, brings the host's own work within HOST_SHARE (4%) of the predicted step: the twin
+dilates emulated compute and links by k but not the CPU work a replica does on the host (the
+gradient's fill, the optimizer's step, gloo's sums and copies: about HOST_CPU_S = 0.17 CPU-seconds
+per process per step for ResNet-50's gradient, read from the all-reduce rows of
+twin-2026-11-27T0936Z-1f0ee92.json, the same at k = 1 to 10 and 1 and 10 Gbit/s), which a GPU
+cluster does inside compute_s. Its share of the cluster's step is processes x HOST_CPU_S / cores / k
+over the step; each row reports the host time it implies, host_cpu_s_implied.
 A row whose own link self-test still refuses the twin runs again at the next k (twice at most).
 The summary's figures are the cluster's (durations / k, rates x k), as bench reads them.
 
@@ -76,6 +83,8 @@ STRATEGIES = (("sync", 1), ("mixed-async", 1), ("allreduce", 0))  # (strategy.na
 SERIES = (1, 2, 5, 10, 20, 50, 100)  # time scales tried, smallest first
 TESTED_GBPS = (1, 2, 3, 4, 6, 8, 12, 16)
 TOLERANCE = 0.9  # as the twin's self-test
+HOST_CPU_S = 0.17  # CPU-seconds of host work per process per step (see the docstring)
+HOST_SHARE = 0.04  # the most of the predicted step that host work, / k, may take
 RETRIES = 2
 
 
@@ -124,19 +133,38 @@ def load_gbps(nodes: int, num_ps: int, rate: float) -> tuple[float, str]:
     return test if test[0] > job[0] else job
 
 
-def time_scale(load: float, budget: float) -> int:
-    return next((k for k in SERIES if load / k <= budget), SERIES[-1])
+def host_s(r: dict) -> float:
+    """Wall seconds of a row's host work per step at k = 1: its processes' CPU time over the cores."""
+    return (r["nodes"] + r["num_ps"]) * HOST_CPU_S / (os.cpu_count() or 1)
 
 
-def plan(nodes: list[int], rates: list[float], budget: float) -> list[dict]:
+def time_scale(load: float, budget: float, host: float = 0.0, step: float = math.inf) -> int:
+    return next((k for k in SERIES if load / k <= budget and host / k <= HOST_SHARE * step), SERIES[-1])
+
+
+def plan(nodes: list[int], rates: list[float], budget: float, tmp: Path) -> list[dict]:
     rows = []
     for rate in rates:
         for n in nodes:
             for name, ps in STRATEGIES:
                 load, why = load_gbps(n, ps, rate)
                 rows.append({"nodes": n, "strategy": name, "num_ps": ps, "link_gbps": rate, "load_gbps": load,
-                             "load": why, "time_scale": time_scale(load, budget)})
+                             "load": why})
+    add_predictions(rows, tmp)
+    for r in rows:
+        step = (r["predicted_network_only"] or {}).get("step_s") or math.inf
+        r["time_scale"] = time_scale(r["load_gbps"], budget, host_s(r), step)
     return rows
+
+
+def host_implied(r: dict, batch: int) -> float | None:
+    """The CPU-seconds of host work per process per step that the row's gap to the network-only
+    prediction implies (as HOST_CPU_S was read), or None without both figures."""
+    got, want = r.get("images_per_sec"), (r.get("predicted_network_only") or {}).get("images_per_sec")
+    if not got or not want:
+        return None
+    gap = r["nodes"] * batch * (1 / got - 1 / want)  # seconds per step of the cluster
+    return gap * r["time_scale"] * (os.cpu_count() or 1) / (r["nodes"] + r["num_ps"])
 
 
 def bench_args(rate: float, k: int, rows: list[dict], compute_s: float, batch: int, warmup: int, steps: int,
@@ -376,21 +404,27 @@ def main() -> None:
     cap = {"gbps": a.capacity_gbps, "tests": "given (--capacity-gbps)"} if a.capacity_gbps else capacity()
     budget = a.headroom * cap["gbps"]
     nodes, rates = ([2, 4], [1.0]) if a.quick else ([2, 4, 8], [1.0, 10.0])
-    rows = plan(nodes, rates, budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = plan(nodes, rates, budget, Path(tmp))
     say(f"this machine carries {cap['gbps']:g} Gbit/s (twin test); a row may load {a.headroom:g} x that = "
-        f"{budget:g} Gbit/s: time scale k = the smallest of {', '.join(map(str, SERIES))} with load / k <= {budget:g}")
+        f"{budget:g} Gbit/s: time scale k = the smallest of {', '.join(map(str, SERIES))} with load / k <= {budget:g}"
+        f" and host work / k <= {HOST_SHARE:g} x the predicted step")
     for r in rows:
         say(f"  {r['link_gbps']:g} Gbit/s, {r['nodes']} nodes {r['strategy']}: load {r['load_gbps']:g} Gbit/s "
-            f"({r['load']}) -> k = {r['time_scale']}")
+            f"({r['load']}), host {host_s(r):.2f} s of a {r['predicted_network_only'].get('step_s', 0):.2f} s step "
+            f"-> k = {r['time_scale']}")
     runs = Path(tempfile.mkdtemp(prefix="twin-bench-", dir="/tmp"))
     rows, baselines = measure(rows, a, study, runs)
     with tempfile.TemporaryDirectory() as tmp:
         add_predictions(rows, Path(tmp))
+    for r in rows:
+        r["host_cpu_s_implied"] = host_implied(r, study["batch"])
     out = {"benchmark": "twin", **run_info(torch.device("cpu")), "cores": os.cpu_count(),
            "command": "python benchmarks/twin.py " + " ".join(sys.argv[1:]),
            "model": "resnet50, 1,200 classes (25,966,832 parameters)", "study_step": study,
            "recipe": RECIPE, "model_sets": MODEL, "predict_recipe": PREDICT_RECIPE, "profile": PROFILE,
            "warmup": a.warmup, "steps": a.steps, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
+           "host_cpu_s": HOST_CPU_S, "host_share": HOST_SHARE,
            "baselines": baselines, "rows": rows, "findings": findings(rows), "runs_dir": str(runs),
            "seconds": round(time.monotonic() - t0)}
     emit(out, a.save)
