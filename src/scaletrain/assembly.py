@@ -81,7 +81,8 @@ def assemble(cfg: Config, ctx: Context, device: torch.device, run_dir: Path, cla
     if resumed is not None:
         strategy.restore(resumed.state)
         saved = resumed.state.get("replica_buffers")
-        load_replica_buffers(net, saved[ctx.me.stage] if saved and pipeline else saved, ctx.plan.replica_of(ctx.me))
+        load_replica_buffers(net, saved[ctx.me.stage] if saved and pipeline else saved, ctx.plan.replica_of(ctx.me),
+                             strategy.replica_state())
     ema = Ema(cfg.train.ema_decay, model, net) if cfg.train.ema_decay else None  # a stage averages its own layers
     if resumed is not None:
         if ema is not None:

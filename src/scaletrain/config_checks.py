@@ -51,6 +51,15 @@ def check_relations(cfg) -> None:
         names = " or ".join(n for n, e in REGISTRY.items() if e.rounds)
         raise ConfigError(f"strategy.async_bound = {s.async_bound}: bounds the rounds of strategy.name = {names}; "
                           f"strategy.name = {s.name!r} has none (set it to 0)")
+    local = REGISTRY[s.name].local
+    for key, reader in (("sync_every", ""), ("outer_lr", "outer"), ("outer_momentum", "outer")):
+        if getattr(s, key) != type(s).__dataclass_fields__[key].default and not (local and reader in ("", local)):
+            names = " or ".join(n for n, e in REGISTRY.items() if e.local and reader in ("", e.local))
+            raise ConfigError(f"strategy.{key} = {getattr(s, key)}: read by strategy.name = {names} only; "
+                              f"strategy.name = {s.name!r}")
+    if local and s.emulate_workers:
+        raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers}: emulates asynchronous workers in one "
+                          f"process; strategy.name = {s.name!r} runs its replicas as processes")
     if refused(cfg):
         raise ConfigError(refused(cfg)[0])
     if s.emulate_workers and cfg.distributed:

@@ -16,11 +16,13 @@ def _float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
-def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_chief: bool, numel: int | None = None):
-    """Every worker's floating buffers (BatchNorm statistics) as flat tensors, on the chief
+def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_chief: bool, numel: int | None = None,
+                    own: list[torch.Tensor] = ()):
+    """Every worker's floating buffers (BatchNorm statistics), then `own` (the strategy's
+    replica_state: its optimizer state where replicas step alone), as flat tensors, on the chief
     (None elsewhere); a collective over the workers. numel: the size every worker's is padded to,
     where they differ (pipeline stages)."""
-    bufs = _float_buffers(model)
+    bufs = _float_buffers(model) + list(own)
     flat = _flatten_dense_tensors(bufs) if bufs else torch.zeros(1, device=next(model.parameters()).device)
     if numel is not None:
         flat = torch.cat([flat[:numel], flat.new_zeros(numel - min(numel, flat.numel()))])
@@ -29,9 +31,10 @@ def replica_buffers(model: torch.nn.Module, group, workers: int, chief: int, is_
     return [t.cpu() for t in out] if is_chief else None
 
 
-def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | None, index: int) -> None:
-    """Put back this replica's own buffers from a checkpoint (see replica_buffers)."""
-    bufs = _float_buffers(model)
+def load_replica_buffers(model: torch.nn.Module, saved: list[torch.Tensor] | None, index: int,
+                         own: list[torch.Tensor] = ()) -> None:
+    """Put back this replica's own buffers, and `own` as replica_buffers gathered it, from a checkpoint."""
+    bufs = _float_buffers(model) + list(own)
     if not saved or not bufs or index >= len(saved):
         return
     with torch.no_grad():

@@ -256,7 +256,8 @@ class Tracker:
                 # Collective over the workers; it is also the barrier: no pusher moves on before the
                 # shards' state is taken.
                 buffers = replica_buffers(self.strategy.model, self.group, len(self.ctx.plan.workers),
-                                          self.ctx.plan.workers[0].rank, self.chief, p and p.buffer_numel)
+                                          self.ctx.plan.workers[0].rank, self.chief, p and p.buffer_numel,
+                                          self.strategy.replica_state())
                 if self.chief:
                     state["replica_buffers"] = p.by_stage(buffers) if p else buffers
             if self.chief:

@@ -151,11 +151,15 @@ class AllReduce(Strategy):
         self.optimizer.step()
         self.counters.steps += 1
         tick = self.advance(self.schedule.step_images, asked)
+        self._ask(tick)
+        return tick
+
+    def _ask(self, tick: Tick) -> None:
+        """Start the all-reduce of whether this replica holds a request, read at the next step (_asked)."""
         if self.group is not None and not tick.stop:
             # Not at a sync point: it acts on the requests; one left after it goes next step.
             self.flag.fill_(float(bool(self.ctx.requests) and not tick.synced))
             self.asking = dist.all_reduce(self.flag, group=self.ctx.workers_cpu_group, async_op=True)  # collective
-        return tick
 
     def finish(self, stopped: int = 0) -> None:
         if self.asking is not None:  # every replica started it: it completes

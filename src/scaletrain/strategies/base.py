@@ -113,6 +113,11 @@ class Strategy:
         """The parameter sizes of every pipeline stage of the replica (job.py), for a strategy whose state
         outside this process covers every stage's (the PS shards)."""
 
+    def replica_state(self) -> list[torch.Tensor]:
+        """Tensors this replica holds apart from the others beyond its BatchNorm statistics (its own
+        optimizer state, where replicas step alone: local.py), saved per replica in checkpoints."""
+        return []
+
     def snapshot(self) -> dict:
         """State held outside this process, for the chief's checkpoint (called between steps)."""
         return {}

@@ -6,11 +6,12 @@ from .allreduce import AllReduce
 from .async_allreduce import AsyncAllReduce
 from .base import Strategy
 from .emulate import EmulatedAsync
+from .local import LocalSteps
 from .ps_client import PSClient
 from .traits import entry
 
 CLASSES: dict[str, type[Strategy]] = {
-    "allreduce": AllReduce, "async-allreduce": AsyncAllReduce,
+    "allreduce": AllReduce, "async-allreduce": AsyncAllReduce, "local-sgd": LocalSteps, "diloco": LocalSteps,
     "sync": PSClient, "backup": PSClient, "mixed-async": PSClient, "async": PSClient,
 }
 

@@ -14,6 +14,8 @@ Words used here and by the strategies:
   images whose gradients one update applies, the unit of the learning-rate scaling rule.
 - tolerant: the job trains on without a lost worker node (then no collective joins the workers
   after start-up: they meet at the shards, see ps/server.py).
+- local steps: a replica applies its own gradient alone and meets the others every
+  strategy.sync_every steps (local.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class Traits:
     survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
     resizable: bool = False  # every replica holds the one state: a resume may change the node count
     rounds: bool = False   # all-reduce rounds in the background; replicas never wait for them
+    # Replicas step alone between meetings every strategy.sync_every steps, where they "average" their weights
+    # (local SGD) or apply the averaged change through an "outer" optimizer (DiLoCo); "" where they do not
+    local: str = ""
     # Why a replica cannot be split into pipeline stages (parallel.stages); "" where it can
     no_stages: str = ""
 
@@ -41,11 +46,16 @@ class Traits:
 # Shards that apply what comes as it comes would reach a sync point at one stage's push and not its neighbour's
 PS_STAGES = "pipeline stages would each leave the shards' sync points at another push"
 
+# A meeting averages a whole replica's weights; one over each stage's share alone is not built
+LOCAL_STAGES = "average whole replicas' weights when they meet; a stage's share alone is not built"
+
 REGISTRY: dict[str, Traits] = {
     "allreduce": Traits(uses_ps=False, resizable=True),
     "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
                               no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
                                         "each do by a different count"),
+    "local-sgd": Traits(uses_ps=False, local="average", no_stages=LOCAL_STAGES),
+    "diloco": Traits(uses_ps=False, local="outer", no_stages=LOCAL_STAGES),
     "sync": Traits(uses_ps=True, server="sync"),
     "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True,
                      no_stages="would each drop another node's gradient as the late one"),
@@ -91,7 +101,10 @@ def images_per_update(cfg) -> int:
     """Images whose gradients one update applies: the global batch (all-reduce, sync),
     N-b nodes' batches (backup), one push (asynchronous modes); a replica's batch is its
     accumulated micro-batches' (replica_images). The learning-rate scaling rule
-    (optim.scale_lr) is in this unit, on the PS and in all-reduce alike."""
+    (optim.scale_lr) is in this unit, on the PS and in all-reduce alike. Local steps count the
+    global batch too: a meeting's mean of the replicas' steps moves the weights as all-reduce's
+    steps at that batch would (Lin et al. 2020 scale local SGD's rate so), and local-sgd meeting
+    every step is all-reduce."""
     e, c = entry(cfg), cfg.cluster
     if cfg.strategy.emulate_workers:  # one process: a gradient of one batch, or a round of K (emulate.py)
         return replica_images(cfg) * (cfg.strategy.emulate_workers if e.rounds else 1)

@@ -1,0 +1,77 @@
+"""local-sgd and diloco with real processes and gloo on CPU: what they reduce to, the bytes they
+send, and an exact resume with every replica's own optimizer state."""
+
+import json
+
+import pytest
+import torch
+
+from test_strategies import EXACT, cluster, latest_checkpoint, max_diff, run
+
+SETUP = [*EXACT, "data.batch_size=8", "train.eval_every=0"]
+
+
+def test_local_sgd_meeting_every_step_without_momentum_is_allreduce(tmp_path):
+    """Each replica steps w - lr g_i, the meeting averages: w - lr mean(g), all-reduce's step."""
+    _, allreduce = run(tmp_path, "allreduce", *SETUP, "optim.momentum=0", *cluster(2, 2))
+    _, local = run(tmp_path, "local", *SETUP, "optim.momentum=0", *cluster(2, 2, 0, "local-sgd", "strategy.sync_every=1"))
+    assert max_diff(allreduce, local) <= 1e-5
+
+
+def test_diloco_with_a_plain_outer_step_is_local_sgd(tmp_path):
+    """The anchor minus the mean change, at outer_lr 1 without momentum, is the mean of the weights."""
+    sets = [*SETUP, "optim.momentum=0.9", "train.steps=6"]
+    _, local = run(tmp_path, "local", *sets, *cluster(2, 1, 0, "local-sgd", "strategy.sync_every=2"))
+    _, plain = run(tmp_path, "plain", *sets, *cluster(2, 1, 0, "diloco", "strategy.sync_every=2",
+                                                          "strategy.outer_lr=1", "strategy.outer_momentum=0"))
+    _, diloco = run(tmp_path, "diloco", *sets, *cluster(2, 1, 0, "diloco", "strategy.sync_every=2"))
+    assert max_diff(local, plain) <= 1e-5
+    assert max_diff(local, diloco) > 1e-3  # Nesterov at 0.7: another path
+
+
+def test_local_steps_send_one_allreduce_per_sync_every_steps(tmp_path):
+    """8 steps at sync_every 4: 2 meetings of the weights' bytes, a quarter of all-reduce's 8 rounds."""
+    sets = [*SETUP, "train.steps=8"]
+    s_ar, _ = run(tmp_path, "allreduce", *sets, *cluster(2, 1))
+    s_l, _ = run(tmp_path, "local", *sets, *cluster(2, 1, 0, "local-sgd", "strategy.sync_every=4"))
+    sent = [s["bytes_per_step"]["worker_sent"] for s in (s_ar, s_l)]
+    assert sent[0] > 0 and sent[1] == pytest.approx(sent[0] / 4, rel=1e-6), sent
+    assert s_l["staleness_hist"] == [4, 4, 4, 4] and s_l["staleness_mean"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("name", ["local-sgd", "diloco"])
+def test_local_steps_resume_is_exact(tmp_path, name):
+    """Stopped at step 6 (a meeting) and resumed to 12: each replica's own momentum comes back from the
+    checkpoint (replica_state), diloco's outer momentum too, and the meetings fall on the same steps."""
+    sets = [*SETUP, "optim.momentum=0.9", *cluster(2, 1, 0, name, "strategy.sync_every=3")]
+    _, straight = run(tmp_path, "straight", *sets, "train.steps=12")
+    run(tmp_path, "split", *sets, "train.steps=6")
+    ckpt = latest_checkpoint(tmp_path / "split")
+    assert len(ckpt["replica_buffers"]) == 2 and not torch.equal(*ckpt["replica_buffers"])  # two momenta
+    assert ("outer" in ckpt) == (name == "diloco")
+    s, resumed = run(tmp_path, "split", *sets, "train.steps=12", resume=True)
+    assert s["start_step"] == 6 and s["steps"] == 12
+    assert max_diff(straight, resumed) <= 1e-5
+
+
+def test_local_steps_reach_allreduces_accuracy_with_an_eighth_of_its_bytes(tmp_path):
+    """The study of 4 replicas on digits, 16 epochs each (equal images), sync_every 8: local-sgd and
+    diloco end within 1 point of all-reduce's test accuracy and send 1/8 of its bytes a step."""
+    from scaletrain.cli import main
+
+    from conftest import RECIPES
+    sets = ["data.workers=0", "cluster.nodes=2", "cluster.gpus_per_node=2", "data.batch_size=16",
+            "optim.scale_lr=linear", "optim.reference_batch=32", "optim.warmup_steps=5", "train.steps=0",
+            "train.eval_every=0", "train.checkpoint_every=0"]
+    args = ["study", "--recipe", str(RECIPES / "digits.toml"), *(a for s in sets for a in ("--set", s)),
+            "--grid", "strategy.name=allreduce,local-sgd,diloco", "--until", "epochs=16", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = {r["cell"]["strategy.name"]: r for r in map(json.loads, (tmp_path / "study.jsonl").read_text().splitlines())}
+    base = rows["allreduce"]
+    assert base["test_accuracy"] > 0.95
+    for name in ("local-sgd", "diloco"):
+        r = rows[name]
+        assert r["images_applied"] == base["images_applied"]
+        assert r["test_accuracy"] >= base["test_accuracy"] - 0.01, (name, r["test_accuracy"], base["test_accuracy"])
+        assert r["bytes_per_step"]["worker_sent"] == pytest.approx(base["bytes_per_step"]["worker_sent"] / 8, rel=1e-6)
+    assert "local-sgd" in (tmp_path / "study.md").read_text()
