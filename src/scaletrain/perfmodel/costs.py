@@ -110,15 +110,20 @@ def replicas_ring_s(p: Profile, st: Setup) -> float:
 def allreduce(p: Profile, st: Setup, wait: float = 0.0) -> Estimate:
     """All-reduce: each replica computes, joins one ring over all replicas, steps its optimizer.
     The ring's pace is that of its slowest hop: a network hop once it spans nodes. `wait`: the
-    seconds the ring waits for its slowest replica (a straggler), which keeps no core busy."""
-    n = st.nodes * st.replicas
-    comm = replicas_ring_s(p, st)
-    parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm, "optimizer": p.optimizer_s}
+    seconds the ring waits for its slowest replica (a straggler), which keeps no core busy.
+    Local steps (st.sync_every = H > 1: local-sgd, diloco) join the ring once in H steps, with the
+    weights' bytes (the gradient's), and diloco steps its outer optimizer there: a step carries 1/H
+    of each. A replica's k-th step after a meeting misses the others' last k: staleness 0..H-1."""
+    n, h = st.nodes * st.replicas, st.sync_every
+    comm = replicas_ring_s(p, st) / h
+    parts = {"compute": p.compute_s, "network" if st.nodes > 1 else "intra-node": comm,
+             "optimizer": p.optimizer_s * (1 + st.outer / h)}
     cpu = n * (sum(parts.values()) - (0.0 if p.compute_on_cores else p.compute_s))
     step = max(sum(parts.values()) + wait, shared_floor(p, cpu), loader_floor(p, st))
-    moved = 2 * (n - 1) / n * p.gradient_bytes if n > 1 else 0.0
+    moved = 2 * (n - 1) / n * p.gradient_bytes / h if n > 1 else 0.0
     links = {f"node {k + 1}": moved for k in range(st.nodes)} if st.nodes > 1 else {}  # one ring hop leaves each node
-    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links, straggler_s=wait)
+    est = Estimate(step, n * p.batch_per_replica, parts, link_bytes=links, straggler_s=wait,
+                   staleness_mean=(h - 1) / 2 if h > 1 else None, staleness_p95=math.ceil(0.95 * h) - 1 if h > 1 else None)
     est.link_util = max((b / p.net_bandwidth / step for b in links.values()), default=0.0)
     return est
 

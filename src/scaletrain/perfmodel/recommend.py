@@ -73,12 +73,13 @@ def stages_to_fit(cfg: Config, p: Profile, batch: int) -> int | None:
 
 
 def candidates(cfg: Config, total: int) -> list[Config]:
-    """Every strategy and PS shape on `total` nodes. Async-allreduce is left out: its updates
-    average as many gradients as its rounds last steps, so its images per second buy updates of
-    another size than the others', which throughput alone cannot weigh."""
+    """Every strategy and PS shape on `total` nodes. Async-allreduce, local-sgd and diloco are left
+    out: async-allreduce's updates average as many gradients as its rounds last steps, and local
+    steps apply each replica's gradient alone between meetings, so their images per second buy
+    updates of another kind than the others', which throughput alone cannot weigh."""
     out = []
     for name, e in REGISTRY.items():
-        if e.rounds or (cfg.parallel.stages > 1 and e.uses_ps):  # stages are modelled under all-reduce only
+        if e.rounds or e.local or (cfg.parallel.stages > 1 and e.uses_ps):  # stages: all-reduce only
             continue
         shapes = [(total, 0, "alongside")] if not e.uses_ps else \
             [(total, p, "alongside") for p in ps_counts(total)] + \

@@ -25,9 +25,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..config import StrategyConfig
+
 # The baseline's settings; the rest of its config is the configuration's own.
+# The keys of other strategies go back to their defaults (a key set for a strategy that does not read it is refused).
 BASELINE: dict[str, Any] = {"strategy.name": "allreduce", "cluster.nodes": 1, "cluster.num_ps": 0,
-                            "strategy.backup_workers": 0, "strategy.slow_node": -1}
+                            **{f"strategy.{k}": StrategyConfig.__dataclass_fields__[k].default
+                               for k in ("backup_workers", "slow_node", "async_bound", "sync_every", "outer_lr",
+                                         "outer_momentum")}}
 # Keys that only say how the job is distributed: a configuration and its baseline may differ in them.
 DISTRIBUTION_KEYS = (*BASELINE, "cluster.ps_placement", "cluster.sharding", "strategy.slow_delay_s")
 # Keys that setup() already shows in words.

@@ -37,6 +37,8 @@ class Setup:
     slow_delay_s: float
     loaders: int                 # background loader processes per replica (0: the training process loads)
     rounds: bool = False         # async-allreduce: all-reduce rounds in the background
+    sync_every: int = 1          # local-sgd, diloco: steps between the replicas' meetings (strategy.sync_every)
+    outer: bool = False          # diloco: an outer optimizer's step at each meeting
     stages: int = 1              # pipeline stages of a replica (parallel.stages), one device each
     microbatches: int = 1        # parallel.microbatches
     held: int = 1                # micro-batches whose activations a stage holds at most (GPipe: all; 1F1B: S)
@@ -119,7 +121,8 @@ def make_setup(cfg: Config, prof: Profile) -> Setup:
                  wait_for=wait_for(cfg, pushers) if e.uses_ps else 0,
                  shard_bytes=shard_bytes(cfg, prof.gradient_bytes) if e.uses_ps else (),
                  ps_nodes=tuple(p.node for p in plan.ps), slow_node=s.slow_node, slow_delay_s=s.slow_delay_s,
-                 loaders=cfg.data.workers, rounds=e.rounds, **staged)
+                 loaders=cfg.data.workers, rounds=e.rounds, sync_every=s.sync_every if e.local else 1,
+                 outer=e.local == "outer", **staged)
 
 
 def check_workload(cfg: Config, prof: Profile, path: str) -> None:

@@ -131,10 +131,10 @@ def read_learning(run_dirs: Path | list[Path], target: tuple[str, float]) -> Lea
         cfg = read[0]
         if cfg.strategy.emulate_workers and not entry(cfg).rounds:
             emulated.append((run_dir, read))
-        elif entry(cfg).server == "async" or entry(cfg).rounds:
+        elif entry(cfg).server == "async" or entry(cfg).rounds or entry(cfg).local:
             raise ModelError(f"--learning {run_dir}: a run of strategy.name = {cfg.strategy.name!r}"
-                             f"{' (emulated rounds)' if cfg.strategy.emulate_workers else ''}, whose stale gradients "
-                             "change the updates to a target; measure with a synchronous one (allreduce, sync) and, "
+                             f"{' (emulated rounds)' if cfg.strategy.emulate_workers else ''}, whose stale or local "
+                             "steps change the updates to a target; measure with a synchronous one (allreduce, sync) and, "
                              "for asynchronous parameter servers, the emulator (strategy.emulate_workers = K)")
         else:
             sync.append((run_dir, read))
@@ -224,8 +224,9 @@ def add_target(row: dict[str, Any], cfg: Config, learning: Learning) -> dict[str
     if row.get("error"):
         return row
     e = entry(cfg)
-    if e.rounds:
-        row["target_note"] = "asynchronous rounds: stale gradients change the updates to a target; not predicted"
+    if e.rounds or e.local:
+        row["target_note"] = (f"{'asynchronous rounds' if e.rounds else 'local steps between meetings'}: stale "
+                              "gradients change the updates to a target; not predicted")
         return row
     staleness = (row.get("staleness_mean") or 0.0) if e.server == "async" else 0.0
     if e.server == "async" and learning.staleness_factor is None:

@@ -1,0 +1,55 @@
+"""local-sgd and diloco in the config checks and the performance model (no processes)."""
+
+import pytest
+
+from scaletrain.config import build_config
+from scaletrain.errors import ConfigError
+from scaletrain.perfmodel import costs
+from scaletrain.perfmodel.predict import predict, single_node
+from scaletrain.perfmodel.setup import make_setup
+from scaletrain.strategies import images_per_update
+
+from test_perfmodel import G, TOY, cfg_of
+
+
+@pytest.mark.parametrize("strategy,key,value,readers", [
+    ("allreduce", "sync_every", 4, "local-sgd or diloco"), ("sync", "sync_every", 16, "local-sgd or diloco"),
+    ("local-sgd", "outer_lr", 1.0, "diloco"), ("allreduce", "outer_momentum", 0.5, "diloco")])
+def test_a_local_key_set_for_a_strategy_that_does_not_read_it_is_refused(strategy, key, value, readers):
+    with pytest.raises(ConfigError, match=f"strategy.{key} = {value}: read by strategy.name = {readers} only"):
+        build_config({"strategy": {"name": strategy, key: value}, "cluster": {"num_ps": int(strategy == "sync")}})
+    build_config({"strategy": {"name": "diloco", key: value}})
+
+
+def test_local_steps_refuse_the_one_process_emulator():
+    with pytest.raises(ConfigError, match="strategy.emulate_workers = 2: emulates asynchronous workers"):
+        build_config({"strategy": {"name": "local-sgd", "emulate_workers": 2}})
+
+
+def test_local_steps_learn_at_allreduces_rate():
+    """The learning-rate rule's unit is the global batch, as all-reduce's."""
+    sets = dict(nodes=2, gpus=2, data__batch_size=16)
+    assert images_per_update(cfg_of("local-sgd", **sets)) == images_per_update(cfg_of(**sets)) == 64
+
+
+@pytest.mark.parametrize("name", ["local-sgd", "diloco"])
+def test_local_steps_carry_an_eighth_of_the_ring(name):
+    """sync_every 8: an eighth of all-reduce's network time and bytes a step, staleness 0..7."""
+    sync, local = (costs.allreduce(TOY, make_setup(cfg_of(s, nodes=2, gpus=2, **more), TOY))
+                   for s, more in (("allreduce", {}), (name, {"strategy__sync_every": 8})))
+    ring = 2 * 3 * (0.01 + G / 4 / 1e6)
+    assert sync.parts["network"] == pytest.approx(ring) and local.parts["network"] == pytest.approx(ring / 8)
+    assert local.link_bytes["node 1"] == pytest.approx(sync.link_bytes["node 1"] / 8)
+    outer = 0.01 / 8 if name == "diloco" else 0.0  # the outer optimizer's step at each meeting
+    assert local.step_s == pytest.approx(1.0 + ring / 8 + 0.01 + outer)
+    assert (local.staleness_mean, local.staleness_p95) == (3.5, 7) and sync.staleness_mean is None
+
+
+def test_a_local_configuration_has_all_reduces_baseline():
+    """The baseline (one node, all-reduce) leaves the local keys at their defaults: a key it kept would be
+    refused under all-reduce."""
+    cfg = cfg_of("diloco", nodes=4, strategy__sync_every=16, strategy__outer_lr=1.0)
+    base = single_node(cfg)
+    assert base.strategy.name == "allreduce" and base.strategy.sync_every == 8 and base.strategy.outer_lr == 0.7
+    row = predict(cfg, TOY)
+    assert row["speedup"] > 3.5 and row["staleness_mean"] == 7.5
