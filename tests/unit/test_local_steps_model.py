@@ -53,3 +53,15 @@ def test_a_local_configuration_has_all_reduces_baseline():
     assert base.strategy.name == "allreduce" and base.strategy.sync_every == 8 and base.strategy.outer_lr == 0.7
     row = predict(cfg, TOY)
     assert row["speedup"] > 3.5 and row["staleness_mean"] == 7.5
+
+
+def test_a_bench_baseline_resets_only_the_strategy_keys_a_configuration_sets():
+    """A grid's added baseline (study/bench.py) names the local keys only where the configuration set them."""
+    from scaletrain.perfmodel.scaling import baseline_cell
+
+    cell = {"cluster.nodes": "2", "strategy.name": "local-sgd"}
+    plain = baseline_cell(cell, cfg_of("local-sgd", nodes=2).flat())
+    assert plain == {"strategy.name": "allreduce", "cluster.nodes": "1", "cluster.num_ps": "0",
+                     "strategy.backup_workers": "0", "strategy.slow_node": "-1"}
+    assert baseline_cell(cell, cfg_of("local-sgd", nodes=2, strategy__sync_every=4).flat()) == \
+        {**plain, "strategy.sync_every": "8"}

@@ -106,7 +106,7 @@ def bottleneck(est: costs.Estimate, uses_ps: bool) -> tuple[str, dict[str, float
 
 def single_node(cfg: Config) -> Config:
     """The study's baseline (scaling.BASELINE): one node, all-reduce, no parameter server, no slow node."""
-    return cfg.replace(**scaling.BASELINE)
+    return cfg.replace(**scaling.baseline_sets(cfg.flat()))
 
 
 def predict(cfg: Config, p: Profile, spread: float = 0.0, seed: int = 0) -> dict[str, Any]:

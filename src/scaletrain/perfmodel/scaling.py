@@ -28,20 +28,28 @@ from typing import Any
 from ..config import StrategyConfig
 
 # The baseline's settings; the rest of its config is the configuration's own.
-# The keys of other strategies go back to their defaults (a key set for a strategy that does not read it is refused).
 BASELINE: dict[str, Any] = {"strategy.name": "allreduce", "cluster.nodes": 1, "cluster.num_ps": 0,
-                            **{f"strategy.{k}": StrategyConfig.__dataclass_fields__[k].default
-                               for k in ("backup_workers", "slow_node", "async_bound", "sync_every", "outer_lr",
-                                         "outer_momentum")}}
+                            "strategy.backup_workers": 0, "strategy.slow_node": -1}
+# Keys read by other strategies than all-reduce alone: a configuration's baseline has them at their
+# defaults (all-reduce refuses them set), and it may differ from its baseline in them.
+STRATEGY_KEYS = {f"strategy.{k}": StrategyConfig.__dataclass_fields__[k].default
+                 for k in ("async_bound", "sync_every", "outer_lr", "outer_momentum")}
 # Keys that only say how the job is distributed: a configuration and its baseline may differ in them.
-DISTRIBUTION_KEYS = (*BASELINE, "cluster.ps_placement", "cluster.sharding", "strategy.slow_delay_s")
+DISTRIBUTION_KEYS = (*BASELINE, *STRATEGY_KEYS, "cluster.ps_placement", "cluster.sharding", "strategy.slow_delay_s")
 # Keys that setup() already shows in words.
 _SHOWN = ("strategy.name", "cluster.nodes", "cluster.num_ps", "cluster.ps_placement", "train.emulate_compute_s")
 
 
-def baseline_cell(cell: dict[str, str]) -> dict[str, str]:
-    """The grid cell of a cell's baseline: its other keys, with the baseline's settings."""
-    return {**rest(cell), **{k: str(v) for k, v in BASELINE.items()}}
+def baseline_sets(settings: dict[str, Any]) -> dict[str, Any]:
+    """The baseline's settings for a configuration (its flat config): BASELINE's, and STRATEGY_KEYS
+    that it sets away from their defaults back at them."""
+    return {**BASELINE, **{k: v for k, v in STRATEGY_KEYS.items() if settings.get(k, v) != v}}
+
+
+def baseline_cell(cell: dict[str, str], settings: dict[str, Any] | None = None) -> dict[str, str]:
+    """The grid cell of a cell's baseline: its other keys, with the baseline's settings (baseline_sets
+    of the cell's flat config, when given)."""
+    return {**rest(cell), **{k: str(v) for k, v in baseline_sets(settings or {}).items()}}
 
 def is_baseline(settings: dict[str, Any]) -> bool:
     """Whether a flat config has the baseline's settings (a key it lacks counts as the baseline's)."""

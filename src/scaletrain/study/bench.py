@@ -121,7 +121,7 @@ def baseline_cells(recipe: str, overrides: list[str], plan: list[tuple[dict[str,
         if scaling.is_baseline(cfg.flat()):
             have.add(key)
         else:
-            need.setdefault(key, (scaling.baseline_cell(cell), data))
+            need.setdefault(key, (scaling.baseline_cell(cell, cfg.flat()), data))
     return [c for key, c in need.items() if key not in have]
 
 
