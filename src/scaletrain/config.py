@@ -250,11 +250,13 @@ class StrategyConfig:
     async_bound: int = opt(0, "async-allreduce: gradients a replica computes while a round is in flight before "
                            "it waits for the round (0 = never waits; 1 = every update exactly 1 stale; 0..4096)",
                            lo=0, hi=4096)
-    sync_every: int = opt(8, "local-sgd and diloco: steps a replica takes alone between meetings, where the "
-                          "replicas average their weights (local-sgd) or their change (diloco) (1..4096)", lo=1, hi=4096)
+    sync_every: int = opt(8, "local-sgd and diloco: replicas step alone and meet at the job steps that are "
+                          "multiples of this, where they average their weights (local-sgd) or apply their averaged "
+                          "change (diloco); evaluations and checkpoints wait for a meeting, a stop does not (1..64, "
+                          "the staleness histogram's bins)", lo=1, hi=64)
     outer_lr: float = opt(0.7, "diloco: the outer optimizer's learning rate, applied to the replicas' averaged "
                           "change since the last meeting (Douillard et al. 2023: 0.7; 1 with outer_momentum 0 is "
-                          "local-sgd; 0..10)", lo=0.0, hi=10.0)
+                          "local-sgd; 0.001..10)", lo=0.001, hi=10.0)
     outer_momentum: float = opt(0.9, "diloco: the outer optimizer's Nesterov momentum (0..0.999)", lo=0.0, hi=0.999)
     slow_node: int = opt(-1, "stragglers: node whose replicas compute slower (-1 = none)", lo=-1, hi=4095)
     slow_delay_s: float = opt(0.0, "stragglers: seconds added to each update's compute on slow_node (0..60)",

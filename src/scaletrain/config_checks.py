@@ -57,6 +57,9 @@ def check_relations(cfg) -> None:
             names = " or ".join(n for n, e in REGISTRY.items() if e.local and reader in ("", e.local))
             raise ConfigError(f"strategy.{key} = {getattr(s, key)}: read by strategy.name = {names} only; "
                               f"strategy.name = {s.name!r}")
+    if local and cfg.train.ema_decay:
+        raise ConfigError(f"train.ema_decay = {cfg.train.ema_decay}: averages the job's weights after every update; "
+                          f"under strategy.name = {s.name!r} each replica holds its own between meetings")
     if local and s.emulate_workers:
         raise ConfigError(f"strategy.emulate_workers = {s.emulate_workers}: emulates asynchronous workers in one "
                           f"process; strategy.name = {s.name!r} runs its replicas as processes")

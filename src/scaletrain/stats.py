@@ -100,12 +100,13 @@ def summarize(rows: list[dict], nodes: int) -> dict:
             "intra_node": _mean(r["intra_bytes"] / max(r["steps"], 1) for r in workers),
         },
     }
-    if not ps and any(int(w["hist"].sum()) for w in workers):  # staleness counted by the replicas (async-allreduce)
+    if not ps and any(int(w["hist"].sum()) for w in workers):  # staleness counted by the replicas (async-allreduce, local steps)
         hist = sum(w["hist"] for w in workers)
-        updates = workers[0]["update_hist"]  # every replica applies every update: one replica's count
-        out.update(**_staleness(hist, _last(hist)), dropped_gradients=0, dropped_fraction=0.0,
-                   gradients_per_update_mean=_mean_of(updates),
-                   gradients_per_update_hist=updates.tolist()[:_last(updates) + 1])
+        out.update(**_staleness(hist, _last(hist)), dropped_gradients=0, dropped_fraction=0.0)
+        if "update_hist" in workers[0]:  # async-allreduce's rounds (local steps have none)
+            updates = workers[0]["update_hist"]  # every replica applies every update: one replica's count
+            out.update(gradients_per_update_mean=_mean_of(updates),
+                       gradients_per_update_hist=updates.tolist()[:_last(updates) + 1])
     if ps:
         ssum, scount = sum(r["stale_sum"] for r in ps), sum(r["stale_count"] for r in ps)
         for w in workers:

@@ -2,11 +2,12 @@
 send, and an exact resume with every replica's own optimizer state."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
-from test_strategies import EXACT, cluster, latest_checkpoint, max_diff, run
+from test_strategies import EXACT, cluster, max_diff, run
 
 SETUP = [*EXACT, "data.batch_size=8", "train.eval_every=0"]
 
@@ -41,15 +42,22 @@ def test_local_steps_send_one_allreduce_per_sync_every_steps(tmp_path):
 
 @pytest.mark.parametrize("name", ["local-sgd", "diloco"])
 def test_local_steps_resume_is_exact(tmp_path, name):
-    """Stopped at step 6 (a meeting) and resumed to 12: each replica's own momentum comes back from the
-    checkpoint (replica_state), diloco's outer momentum too, and the meetings fall on the same steps."""
-    sets = [*SETUP, "optim.momentum=0.9", *cluster(2, 1, 0, name, "strategy.sync_every=3")]
-    _, straight = run(tmp_path, "straight", *sets, "train.steps=12")
-    run(tmp_path, "split", *sets, "train.steps=6")
-    ckpt = latest_checkpoint(tmp_path / "split")
+    """Checkpoints every 4 steps wait for the meetings every 3: they fall at steps 6, 9 and 12, not 4 and 8.
+    Resumed from step 6's, each replica's own momentum comes back from the checkpoint (replica_state),
+    diloco's outer momentum too, and the meetings fall on the same steps: the weights of the run straight."""
+    sets = [*SETUP, "optim.momentum=0.9", "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=5",
+            *cluster(2, 1, 0, name, "strategy.sync_every=3")]
+    _, straight = run(tmp_path, "straight", *sets)
+    ckpts = sorted((tmp_path / "straight" / "checkpoints").glob("ckpt-*.pt"))
+    assert [int(c.stem.split("-")[1]) for c in ckpts] == [6, 9, 12]
+    ckpt = torch.load(ckpts[0], weights_only=True)
     assert len(ckpt["replica_buffers"]) == 2 and not torch.equal(*ckpt["replica_buffers"])  # two momenta
     assert ("outer" in ckpt) == (name == "diloco")
-    s, resumed = run(tmp_path, "split", *sets, "train.steps=12", resume=True)
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "straight", split)
+    for c in ckpts[1:]:
+        (split / "checkpoints" / c.name).unlink()
+    s, resumed = run(tmp_path, "split", *sets, resume=True)
     assert s["start_step"] == 6 and s["steps"] == 12
     assert max_diff(straight, resumed) <= 1e-5
 

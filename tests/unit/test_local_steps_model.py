@@ -21,9 +21,15 @@ def test_a_local_key_set_for_a_strategy_that_does_not_read_it_is_refused(strateg
     build_config({"strategy": {"name": "diloco", key: value}})
 
 
-def test_local_steps_refuse_the_one_process_emulator():
+def test_local_steps_refuse_what_they_cannot_do():
     with pytest.raises(ConfigError, match="strategy.emulate_workers = 2: emulates asynchronous workers"):
         build_config({"strategy": {"name": "local-sgd", "emulate_workers": 2}})
+    with pytest.raises(ConfigError, match="train.ema_decay = 0.99: averages the job's weights after every update; "
+                                          "under strategy.name = 'diloco' each replica holds its own"):
+        build_config({"strategy": {"name": "diloco"}, "train": {"ema_decay": 0.99}})
+    for key, value in (("outer_lr", 0.0), ("sync_every", 65)):  # no training; past the staleness histogram
+        with pytest.raises(ConfigError, match=f"strategy.{key}"):
+            build_config({"strategy": {"name": "diloco", key: value}})
 
 
 def test_local_steps_learn_at_allreduces_rate():
@@ -65,3 +71,17 @@ def test_a_bench_baseline_resets_only_the_strategy_keys_a_configuration_sets():
                      "strategy.backup_workers": "0", "strategy.slow_node": "-1"}
     assert baseline_cell(cell, cfg_of("local-sgd", nodes=2, strategy__sync_every=4).flat()) == \
         {**plain, "strategy.sync_every": "8"}
+
+
+def test_replicas_meet_at_the_multiples_the_end_and_a_stop():
+    """Where a sync point waits for the next meeting and where a stop brings one forward (local.meeting)."""
+    from scaletrain.comm.liveness import CHECKPOINT, STOP
+    from scaletrain.strategies.local import meeting
+
+    assert meeting(5, 3, False, 0, True) == (False, False)  # a point came: it waits for step 6
+    assert meeting(5, 3, False, CHECKPOINT, False) == (False, False)  # so does a timed checkpoint
+    assert meeting(6, 3, False, 0, False) == (True, False)  # a meeting, no point due
+    assert meeting(6, 3, False, 0, True) == (True, True)
+    assert meeting(6, 3, False, CHECKPOINT, False) == (True, True)
+    assert meeting(5, 3, False, STOP, False) == (True, True)  # a stop does not wait
+    assert meeting(7, 3, True, 0, False) == (True, True)  # the end

@@ -56,9 +56,8 @@ def _estimate(p: Profile, st: Setup, spread: float, seed: int) -> tuple[costs.Es
         return costs.pipeline_allreduce(p, st), "closed form"
     if not st.uses_ps:
         n = st.nodes * st.replicas
-        # Local steps wait once in sync_every steps for the slowest sum of that many: its spread / sqrt(H)
-        slowest = expected_max(p, n, spread / math.sqrt(st.sync_every), seed=seed) + \
-            (st.slow_delay_s if st.slow_node >= 0 else 0.0)
+        # Local steps too: their request flag, every step, keeps the replicas within a step of the slowest
+        slowest = expected_max(p, n, spread, seed=seed) + (st.slow_delay_s if st.slow_node >= 0 else 0.0)
         return costs.allreduce(p, st, wait=slowest - p.compute_s), "closed form"
     closed = costs.sync_ps(p, st)  # the one-shard synchronous round; several shards share links
     uneven = spread > 0 or (st.slow_node >= 0 and st.slow_delay_s > 0)

@@ -137,7 +137,7 @@ def setup(row: dict[str, Any]) -> str:
     emulated = f", emulating {row['emulated_workers']} workers" if row.get("emulated_workers") else ""
     emulated += emulated_compute(row)
     other = "".join(f", {k}={v}" for k, v in row.get("cell", {}).items()  # the grid's other keys, but
-                    if k not in _SHOWN and str(BASELINE.get(k)) != v)     # not the baseline's own settings
+                    if k not in _SHOWN and str({**BASELINE, **STRATEGY_KEYS}.get(k)) != v)  # nor the baseline's
     return (f"{row['strategy']}, {total} node{'s' if total > 1 else ''} "
             f"({n} worker{'s' if n > 1 else ''}{per}{where}){emulated}{other}{data}")
 

@@ -121,7 +121,7 @@ class AllReduce(Strategy):
         self.world = self.ctx.plan.replicas
         self.group = self.ctx.workers_group  # None when this is the only replica (with stages: of this stage)
         self.ddp: DistributedDataParallel | None = None
-        self.flag = torch.zeros(1)  # on the host: reading it syncs no device
+        self.flag = torch.zeros(1)  # the requests (liveness.CHECKPOINT | STOP), on the host: no device sync
         self.asking = None  # the flag's all-reduce in flight (its work, comm/p2p.py)
 
     def wrap(self) -> torch.nn.Module:
@@ -150,28 +150,31 @@ class AllReduce(Strategy):
         self.set_lr(lr)
         self.optimizer.step()
         self.counters.steps += 1
-        tick = self.advance(self.schedule.step_images, asked)
+        tick = self.advance(self.schedule.step_images, None if asked is None else bool(asked))
         self._ask(tick)
         return tick
 
     def _ask(self, tick: Tick) -> None:
         """Start the all-reduce of whether this replica holds a request, read at the next step (_asked)."""
         if self.group is not None and not tick.stop:
-            # Not at a sync point: it acts on the requests; one left after it goes next step.
-            self.flag.fill_(float(bool(self.ctx.requests) and not tick.synced))
-            self.asking = dist.all_reduce(self.flag, group=self.ctx.workers_cpu_group, async_op=True)  # collective
+            # Not at a sync point: it acts on the requests; one left after it goes next step. The largest
+            # wins: STOP is the high bit, so any replica's stop shows (its checkpoint comes with it).
+            self.flag.fill_(0 if tick.synced else self.ctx.requests)
+            self.asking = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.ctx.workers_cpu_group,
+                                          async_op=True)  # collective
 
     def finish(self, stopped: int = 0) -> None:
         if self.asking is not None:  # every replica started it: it completes
             self.asking.wait()
 
-    def _asked(self) -> bool:
-        """Whether any replica held a request at the end of the previous step."""
+    def _asked(self) -> int:
+        """The requests any replica held at the end of the previous step (liveness: CHECKPOINT, STOP; the
+        strongest one's), 0 for none."""
         if self.asking is None:
-            return False
+            return 0
         with self.counters.timed("comm_s"):
             # In flight since the previous step: done by now unless a replica lags. A host wait (gloo, host
             # flag); on a GPU the events count it where the stream idles through it.
             self.asking.wait()
         self.asking = None
-        return bool(self.flag.item())
+        return int(self.flag.item())

@@ -2,27 +2,33 @@
 
 Between meetings a replica applies its own gradient through its own optimizer, whose state stays
 its own (Lin et al. 2020, "Don't use large mini-batches, use local SGD"; Douillard et al. 2023,
-"DiLoCo"), and nothing crosses the network but the one-element request flag of allreduce.py. At
-a meeting the replicas all-reduce one flat tensor of the weights' size:
-- local-sgd: their weights; the mean becomes every replica's.
-- diloco: their change since the last meeting, anchor - weights, where the anchor is the weights
-  of the last meeting. Its mean is the gradient of an outer optimizer, SGD with Nesterov momentum
-  (strategy.outer_lr, strategy.outer_momentum), which steps the anchor; every replica takes the
-  new anchor. outer_lr 1 without momentum is local-sgd.
+"DiLoCo"), and nothing crosses the network but the request flag of allreduce.py (one value a
+step, which keeps the replicas within a step of each other). At a meeting the replicas all-reduce
+one flat tensor of the weights' size, their change since the last meeting, anchor - weights (the
+anchor: the weights of the last meeting; small values, which strategy.compression's half types
+carry where the weights themselves would lose their small updates), into its mean:
+- local-sgd: the anchor minus the mean change, the mean of the weights, becomes every replica's.
+- diloco: the mean change is the gradient of an outer optimizer, SGD with Nesterov momentum
+  (strategy.outer_lr, strategy.outer_momentum), which steps the anchor; every replica takes it.
+  outer_lr 1 without momentum is local-sgd.
 So the bytes between nodes are an all-reduce's every sync_every steps.
 
 Replicas meet at the job steps that are multiples of sync_every, and at the job's end. A sync
-point (schedule.py: an evaluation, a checkpoint, a request such as a stop signal) waits for the
-next meeting: at a sync point every replica holds the same weights, a checkpoint taken there holds
-the job's, and the meetings fall on the same steps whether or not the job was stopped and resumed
-between them. Each replica's optimizer state is
-its own; `replica_state` gives it to the checkpoint beside the replica's BatchNorm statistics
-(replicas.py), so a resumed job goes on as the uninterrupted one; the outer optimizer's
-momentum is the same in every replica and is saved once (`snapshot`).
+point (schedule.py: an evaluation, a checkpoint, a timed checkpoint's request) waits for the next
+meeting, so the meetings fall on the same steps whether or not the job was checkpointed and
+resumed between them; at a sync point every replica holds the same weights, and a checkpoint
+taken there holds the job's. A stop (a signal: DESIGN rule 18) does not wait: the replicas meet
+at the step every one of them has seen it, and the resumed job meets at the multiples again.
+Each replica's optimizer state is its own; `replica_state` gives it to the checkpoint beside the
+replica's BatchNorm statistics (replicas.py), so a resumed job goes on as the uninterrupted one;
+the outer optimizer's momentum is the same in every replica and is saved once (`snapshot`).
 
 Staleness: a replica's k-th step after a meeting is computed on weights that miss the others'
-last k steps; the histogram counts k, 0..sync_every-1, mean (sync_every - 1) / 2 between
-meetings that sync points do not bring forward.
+last k steps; the histogram counts k, 0..sync_every-1, mean (sync_every - 1) / 2.
+
+Built on torch.distributed, not on torchft's LocalSGD and DiLoCo: theirs run under a torchft
+Manager, its lighthouse and a quorum every step, which this job's fixed process plan does not
+start; the replicas' groups, checkpoints and stop requests are the job's own (comm/, tracker.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch._utils import _unflatten_dense_tensors
 
+from ..comm.liveness import STOP
 from ..stats import HIST_BINS
 from .allreduce import AllReduce, average_, count_ring
 from .base import Tick
@@ -44,17 +51,15 @@ class LocalSteps(AllReduce):
         self.since = 0  # steps since the last meeting
         self.met = 0    # the job's images at the last meeting
         self.stale_hist = torch.zeros(HIST_BINS, dtype=torch.long)
-        self.anchor = self.outer = None
-        if entry(self.cfg).local == "outer":
-            self.anchor = self._flat("anchor").clone()
-            self.outer = torch.optim.SGD([self.anchor], lr=s.outer_lr, momentum=s.outer_momentum,
-                                         nesterov=s.outer_momentum > 0)
+        self.anchor = torch.cat([q.detach().reshape(-1) for q in self.params])  # the weights of the last meeting
+        self.outer = torch.optim.SGD([self.anchor], lr=s.outer_lr, momentum=s.outer_momentum,
+                                     nesterov=s.outer_momentum > 0) if entry(self.cfg).local == "outer" else None
 
     def wrap(self) -> torch.nn.Module:
         return self.model  # backward stays in the replica: no DistributedDataParallel
 
     def step(self, lr: float) -> Tick:
-        asked = self._asked() if self.group is not None else bool(self.ctx.requests)
+        asked = self._asked() if self.group is not None else self.ctx.requests
         self.set_lr(lr)
         self.optimizer.step()
         self.stale_hist[min(self.since, HIST_BINS - 1)] += 1
@@ -62,59 +67,63 @@ class LocalSteps(AllReduce):
         self.counters.steps += 1
         s = self.schedule
         self.images += s.step_images
-        stop = self.images >= s.target
-        tick = Tick(self.images, False, stop)
-        if stop or s.step_of(self.images) % self.every == 0:  # the same step in every replica
+        meet, synced = meeting(s.step_of(self.images), self.every, self.images >= s.target, asked,
+                               self.images >= s.next_point(self.met))
+        if meet:  # the same step in every replica: the images, the target and the agreed requests are
             self._meet()
-            # A sync point the cadences made since the last meeting, or a request, is taken here
-            tick = Tick(self.images, stop or asked or self.images >= s.next_point(self.met), stop)
             self.met = self.images
+        tick = Tick(self.images, synced, self.images >= s.target)
         self._ask(tick)
         return tick
 
-    def _flat(self, name: str) -> torch.Tensor:
-        """The weights end to end, in a buffer kept for `name`."""
-        p = self.params[0]
-        return torch.cat([q.detach().reshape(-1) for q in self.params],
-                         out=self.buffer(name, self.numel, p.dtype, p.device))
-
     def _meet(self) -> None:
-        """All-reduce the weights (local-sgd) or the change since the last meeting (diloco) into their
-        mean; every replica then holds the same weights."""
+        """All-reduce the replicas' change since the last meeting into its mean and apply it (the module
+        doc); every replica then holds the same weights, the new anchor."""
         self.since = 0
-        flat = self._flat("weights")
-        if self.outer is not None:
-            torch.sub(self.anchor, flat, out=flat)  # this replica's change, as a gradient of the anchor
+        p = self.params[0]
+        change = torch.cat([q.detach().reshape(-1) for q in self.params],
+                           out=self.buffer("change", self.numel, p.dtype, p.device))
+        torch.sub(self.anchor, change, out=change)
         if self.group is not None:
             with self.counters.timed("comm_s"):
-                average_([flat], self.group, self.world, out=self.buffer("mean", self.numel, flat.dtype, flat.device),
-                         wire=self.wire and self.buffer("wire", self.numel, self.wire, flat.device))
-            count_ring(self.counters, self.world, self.numel * (self.wire or flat.dtype).itemsize)
-        if self.outer is not None:
-            self.anchor.grad = flat
+                average_([change], self.group, self.world, out=self.buffer("mean", self.numel, p.dtype, p.device),
+                         wire=self.wire and self.buffer("wire", self.numel, self.wire, p.device))
+            count_ring(self.counters, self.world, self.numel * (self.wire or p.dtype).itemsize)
+        if self.outer is None:
+            self.anchor.sub_(change)
+        else:
+            self.anchor.grad = change
             self.outer.step()
-            flat = self.anchor
         with torch.no_grad():
-            for q, v in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
+            for q, v in zip(self.params, _unflatten_dense_tensors(self.anchor, self.params)):
                 q.copy_(v)
 
     def replica_state(self) -> list[torch.Tensor]:
-        """This replica's own optimizer state, for the checkpoint (see the module doc): every state
-        tensor of a parameter's shape, in the parameters' order and by key."""
+        """This replica's own optimizer state, for the checkpoint (see the module doc): every floating
+        state tensor on its parameter's device but the step counts (the same in every replica), in the
+        parameters' order and by key."""
         state = self.optimizer.state
-        return [t for q in self.params for _, t in sorted(state.get(q, {}).items())
-                if isinstance(t, torch.Tensor) and t.shape == q.shape]
+        return [t for q in self.params for key, t in sorted(state.get(q, {}).items())
+                if key != "step" and isinstance(t, torch.Tensor) and t.is_floating_point() and t.device == q.device]
 
     def snapshot(self) -> dict:
         return {"outer": self.outer.state_dict()} if self.outer is not None else {}
 
     def restore(self, state: dict) -> None:
         super().restore(state)
-        self.met = self.images  # a checkpoint is taken at a meeting
-        if self.outer is not None:  # the checkpoint's weights are a meeting's: the anchor
-            self.anchor.copy_(self._flat("weights"))
-            if "outer" in state:
-                self.outer.load_state_dict(state["outer"])
+        self.met = self.images  # a checkpoint is taken at a meeting: its weights are the anchor
+        torch.cat([q.detach().reshape(-1) for q in self.params], out=self.anchor)
+        if self.outer is not None and "outer" in state:
+            self.outer.load_state_dict(state["outer"])
 
     def figures(self) -> dict:
         return {"hist": self.stale_hist}
+
+
+def meeting(step: int, every: int, end: bool, asked: int, point_due: bool) -> tuple[bool, bool]:
+    """(whether the replicas meet after job step `step`, whether it is a sync point): they meet at the
+    multiples of `every`, at the end and at a stop any replica asked for (asked: the agreed requests,
+    liveness.CHECKPOINT | STOP); a meeting is a sync point at the end, at a request, or where a point of
+    the schedule's cadences came since the last meeting (point_due)."""
+    meet = end or step % every == 0 or bool(asked & STOP)
+    return meet, meet and (end or bool(asked) or point_due)

@@ -103,8 +103,8 @@ def images_per_update(cfg) -> int:
     accumulated micro-batches' (replica_images). The learning-rate scaling rule
     (optim.scale_lr) is in this unit, on the PS and in all-reduce alike. Local steps count the
     global batch too: a meeting's mean of the replicas' steps moves the weights as all-reduce's
-    steps at that batch would (Lin et al. 2020 scale local SGD's rate so), and local-sgd meeting
-    every step is all-reduce."""
+    steps at that batch would (Lin et al. 2020 scale local SGD's rate so); with plain SGD, whose step
+    is linear in the gradient, local-sgd meeting every step is all-reduce."""
     e, c = entry(cfg), cfg.cluster
     if cfg.strategy.emulate_workers:  # one process: a gradient of one batch, or a round of K (emulate.py)
         return replica_images(cfg) * (cfg.strategy.emulate_workers if e.rounds else 1)
