@@ -27,7 +27,7 @@ def test_diloco_with_a_plain_outer_step_is_local_sgd(tmp_path):
                                                           "strategy.outer_lr=1", "strategy.outer_momentum=0"))
     _, diloco = run(tmp_path, "diloco", *sets, *cluster(2, 1, 0, "diloco", "strategy.sync_every=2"))
     assert max_diff(local, plain) <= 1e-5
-    assert max_diff(local, diloco) > 1e-3  # Nesterov at 0.7: another path
+    assert max_diff(local, diloco) > 1e-3  # Nesterov at 0.5, momentum 0.8: another path
 
 
 def test_local_steps_send_one_allreduce_per_sync_every_steps(tmp_path):
