@@ -53,7 +53,7 @@ exceed sync's by more than two standard errors), and what asynchrony buys on the
     python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --capacity-gbps C --headroom 1]
     python benchmarks/twin.py --predict-again benchmarks/results/twin-....json [--save]
 
---quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes 20-40 minutes
+--quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes about 75 minutes
 on two cores. Progress on stderr, one JSON on stdout; --save also writes it to
 benchmarks/results/twin-<UTC time>-<short commit>.json. Run directories stay under /tmp
 (weights and checkpoints removed); their path is in the JSON.
