@@ -67,12 +67,13 @@ class LocalSteps(AllReduce):
         self.counters.steps += 1
         s = self.schedule
         self.images += s.step_images
-        meet, synced = meeting(s.step_of(self.images), self.every, self.images >= s.target, asked,
-                               self.images >= s.next_point(self.met))
-        if meet:  # the same step in every replica: the images, the target and the agreed requests are
+        end = self.images >= s.target
+        # The same in every replica: the images, the target and the requests are agreed
+        meet, synced = meeting(s.step_of(self.images), self.every, end, asked, self.images >= s.next_point(self.met))
+        if meet:
             self._meet()
             self.met = self.images
-        tick = Tick(self.images, synced, self.images >= s.target)
+        tick = Tick(self.images, synced, end)
         self._ask(tick)
         return tick
 
