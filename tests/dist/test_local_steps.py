@@ -30,16 +30,6 @@ def test_diloco_with_a_plain_outer_step_is_local_sgd(tmp_path):
     assert max_diff(local, diloco) > 1e-3  # Nesterov at 0.5, momentum 0.8: another path
 
 
-def test_local_steps_send_one_allreduce_per_sync_every_steps(tmp_path):
-    """8 steps at sync_every 4: 2 meetings of the weights' bytes, a quarter of all-reduce's 8 rounds."""
-    sets = [*SETUP, "train.steps=8"]
-    s_ar, _ = run(tmp_path, "allreduce", *sets, *cluster(2, 1))
-    s_l, _ = run(tmp_path, "local", *sets, *cluster(2, 1, 0, "local-sgd", "strategy.sync_every=4"))
-    sent = [s["bytes_per_step"]["worker_sent"] for s in (s_ar, s_l)]
-    assert sent[0] > 0 and sent[1] == pytest.approx(sent[0] / 4, rel=1e-6), sent
-    assert s_l["staleness_hist"] == [4, 4, 4, 4] and s_l["staleness_mean"] == pytest.approx(1.5)
-
-
 @pytest.mark.parametrize("name", ["local-sgd", "diloco"])
 def test_local_steps_resume_is_exact(tmp_path, name):
     """Checkpoints every 4 steps wait for the meetings every 3: they fall at steps 6, 9 and 12, not 4 and 8.
@@ -82,4 +72,5 @@ def test_local_steps_reach_allreduces_accuracy_with_an_eighth_of_its_bytes(tmp_p
         assert r["images_applied"] == base["images_applied"]
         assert r["test_accuracy"] >= base["test_accuracy"] - 0.01, (name, r["test_accuracy"], base["test_accuracy"])
         assert r["bytes_per_step"]["worker_sent"] == pytest.approx(base["bytes_per_step"]["worker_sent"] / 8, rel=1e-6)
+        assert r["staleness_mean"] == pytest.approx(3.5)  # steps 0..7 after a meeting, as many of each
     assert "local-sgd" in (tmp_path / "study.md").read_text()
