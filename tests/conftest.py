@@ -8,6 +8,7 @@ gpu     needs a CUDA GPU (make gpu-check); skipped elsewhere
 """
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,10 @@ def run_gloo_pair(tmp_path, name: str, text: str, timeout: float = 300) -> None:
     for p in procs:
         _, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err
+
+
+def free_port():
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

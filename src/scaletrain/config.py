@@ -212,6 +212,11 @@ class ClusterConfig:
                            lo=1.0, hi=86400.0)
     max_restarts: int = opt(0, "restart a failed job from its newest complete checkpoint up to this many times "
                             "(local launcher and Slurm job step; 0..1000)", lo=0, hi=1000)
+    survive_loss: bool = opt(False, "a lost worker node (killed, frozen, cut off) is dropped within timeout_s and the "
+                             "job goes on without it, no restart: under allreduce the replicas' group re-forms "
+                             "among the survivors (the learning rate follows the smaller batch by optim.scale_lr), "
+                             "under sync the shards wait for the nodes left; the asynchronous modes and backup always "
+                             "do; never without the chief's node (docs/fault-tolerance.md)")
     min_nodes: int = opt(0, "a restart may leave a failed worker node out while this many remain "
                          "(strategy allreduce; 0 = always cluster.nodes; 0..4096)", lo=0, hi=4096)
     stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop the job after a checkpoint at the next step all "

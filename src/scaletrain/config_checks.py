@@ -98,12 +98,30 @@ def check_relations(cfg) -> None:
     if c.time_scale != 1 and not t.emulate_compute_s:
         raise ConfigError(f"cluster.time_scale = {c.time_scale}: dilates emulated compute only; set "
                           "train.emulate_compute_s > 0 (the step time of the GPU the twin stands for)")
+    if c.survive_loss:
+        _check_survive(cfg)
     if c.min_nodes > c.nodes:
         raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: above cluster.nodes = {c.nodes}")
     _check_model(cfg.model)
     _check_stages(cfg)
     if cfg.model.name == "resnet50" and cfg.data.image_size < 32:
         raise ConfigError(f"data.image_size = {cfg.data.image_size}: resnet50 needs at least 32 pixels")
+
+
+def _check_survive(cfg) -> None:
+    """cluster.survive_loss with what it composes with: a strategy that re-forms or goes on anyway,
+    whole replicas (a ring of stages is not built), a job of several processes."""
+    e, name = REGISTRY[cfg.strategy.name], cfg.strategy.name
+    if not (e.reforms or e.survives_loss):
+        able = ", ".join(n for n, t in REGISTRY.items() if t.reforms or t.survives_loss)
+        raise ConfigError(f"cluster.survive_loss = true: strategy {name} cannot go on without a lost node "
+                          f"(its replicas meet on steps of their own); these can: {able}")
+    if cfg.parallel.stages > 1:
+        raise ConfigError(f"cluster.survive_loss = true: with parallel.stages = {cfg.parallel.stages} a lost "
+                          "stage leaves its replica unable to step; set parallel.stages = 1")
+    if cfg.strategy.emulate_workers:
+        raise ConfigError("cluster.survive_loss = true: strategy.emulate_workers runs one process, which has "
+                          "no node to lose")
 
 
 def _check_stages(cfg) -> None:

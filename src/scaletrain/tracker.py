@@ -106,7 +106,7 @@ class Tracker:
             self.last_loss = s / max(n_, 1)
             step = self.sched.step_of(tick.images)
             row = {"images": tick.images, "epoch": self.epoch(tick.images), "wall": self.clock.wall(),
-                   "train_wall": self.clock.now(), "loss": self.last_loss, "lr": lr}
+                   "train_wall": self.clock.now(), "loss": self.last_loss, "lr": lr * self.strategy.lr_scale}
             if rate is not None:
                 row.update(images_per_sec=rate, data_wait_fraction=window[2] / window[1])
             noise = self.strategy.noise.window() if self.strategy.noise is not None else None
@@ -124,13 +124,17 @@ class Tracker:
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to the next sync point
 
-    def _note_lost(self, tick: Tick) -> None:
+    def _note_lost(self, tick: Tick, final: bool = False) -> None:
         """Record the worker nodes the chief declared lost since the last step: when (job clock)
-        and how far the job had come (images applied, as of this step)."""
-        for ranks, t in self.ctx.dropped_at[len(self.lost):]:
+        and how far the job had come (images applied, as of this step). final: at the job's end, those
+        the survivors had no step left to re-form after too."""
+        for ranks, t, silent in self.ctx.dropped_at[len(self.lost):]:
+            healed = self.strategy.healed(len(self.lost))
+            if healed is None and not final:  # the survivors have yet to re-form: noted at a later step
+                return
             lost = lost_nodes(self.ctx.plan, ranks)  # nodes numbered from 1, as the messages number them
-            self.lost.append({**lost, "wall": round(t - self.clock.t0, 3),
-                              "images": tick.images, "step": self.sched.step_of(tick.images)})
+            self.lost.append({**lost, "wall": round(t - self.clock.t0, 3), "detect_s": round(silent, 2),
+                              "images": tick.images, "step": self.sched.step_of(tick.images), **(healed or {})})
             left = self.ctx.plan.worker_nodes - len({n for x in self.lost for n in x["nodes"]})
             self.bar.message(f"step {self.sched.step_of(tick.images)}: lost node {', '.join(map(str, lost['nodes']))}; "
                              f"going on with {left} worker nodes")
@@ -312,6 +316,7 @@ class Tracker:
     def _write_summary(self, tick: Tick, job: dict[str, Any], train_images: int,
                        test_images: int) -> dict[str, Any]:
         """model.safetensors and summary.json (the chief)."""
+        self._note_lost(tick, final=True)
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
             "wall_seconds": self.clock.wall(), "eval_seconds": self.clock.paused,

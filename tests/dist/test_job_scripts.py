@@ -5,14 +5,13 @@ loop that forgets job.step. The outcome is checked, not only the exit status."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT, scaletrain_cmd
+from conftest import ROOT, free_port, scaletrain_cmd
 
 LOOP = ROOT / "examples" / "custom_loop.py"
 DIGITS = str(ROOT / "recipes" / "digits.toml")
@@ -56,12 +55,6 @@ def test_custom_loop_under_the_local_launcher_matches_the_command_line(tmp_path)
     roles = [json.loads((tmp_path / "mine" / "logs" / f"rank{r}.json").read_text())["role"] for r in range(5)]
     assert roles == ["worker"] * 4 + ["ps"]
     assert not any("Traceback" in (tmp_path / "mine" / "logs" / f"rank{r}.log").read_text() for r in range(1, 5))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_custom_loop_under_two_torchrun_agents_with_a_parameter_server(tmp_path):

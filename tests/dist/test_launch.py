@@ -14,7 +14,7 @@ from scaletrain.cli import main
 from scaletrain.proc.env import LaunchError, expand_nodelist, rendezvous, slurm_port
 from scaletrain.plan import ClusterConfig, make_plan
 
-from conftest import RECIPES, ROOT, scaletrain_cmd
+from conftest import RECIPES, ROOT, free_port, scaletrain_cmd
 
 DIGITS = str(RECIPES / "digits.toml")
 
@@ -110,12 +110,6 @@ def test_slurm_rendezvous():
 
 
 # --- torchrun, for real ---------------------------------------------------------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_torchrun_agents_run_a_sync_job(tmp_path, capsys):
     run_dir = tmp_path / "run"

@@ -308,6 +308,35 @@ def test_an_asynchronous_job_goes_on_without_a_lost_worker_node(tmp_path, env, s
     no_orphans(procs)
 
 
+@pytest.mark.parametrize("strategy,sig", [("allreduce", signal.SIGKILL), ("allreduce", signal.SIGSTOP),
+                                          ("sync", signal.SIGKILL)])
+def test_with_survive_loss_a_job_goes_on_in_place_without_a_lost_worker(tmp_path, env, strategy, sig):
+    """cluster.survive_loss, no restarts: all-reduce's ring re-forms among the survivors, sync's shard waits for
+    the pushers left. The learning rate follows the survivors' batch (linear rule: 2/3 of it)."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, f"strategy.name={strategy}", "cluster.nodes=3", f"cluster.num_ps={int(strategy == 'sync')}",
+              "cluster.survive_loss=true", "cluster.max_restarts=0", "train.steps=100", "train.emulate_compute_s=0.1",
+              "train.checkpoint_every=0", "optim.scale_lr=linear", "optim.warmup_steps=0",
+              "optim.schedule=constant")
+    procs = wait_training(p, run_dir, 3 + (strategy == "sync"))
+    rank, pid = role_pid(run_dir, "worker", 2)  # node 3's worker; sync's PS lives on node 2
+    os.kill(pid, sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert f"rank {rank} (worker 2 on node 3) sent no heartbeat for 5 s; the job goes on without node 3" in err, err
+    s = json.loads((run_dir / "summary.json").read_text())
+    (lost,) = s["lost_workers"]
+    print(lost)
+    assert lost["nodes"] == [3] and lost["detect_s"] <= TIMEOUT_S + 3 + 1, lost  # STALE_S, a beat
+    assert s["images_applied"] >= 100 * 3 * 32 and [w["node"] for w in s["per_worker"]] == [0, 1], s
+    if strategy == "allreduce":
+        assert lost["steps_lost"] <= 1 and lost["heal_s"] < 5, lost
+        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in r]
+        assert {r["lr"] for r in rows if r["images"] < lost["images"] - 96} == {0.05 * 96 / 256}, rows
+        assert {round(r["lr"], 9) for r in rows if r["images"] > lost["images"]} == {round(0.05 * 64 / 256, 9)}
+    no_orphans(procs)
+
+
 def test_a_frozen_worker_of_an_asynchronous_job_is_dropped_and_killed(tmp_path, env):
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=async", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100")

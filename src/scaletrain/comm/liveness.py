@@ -186,7 +186,8 @@ def heartbeat(ctx) -> None:
         silent = time.monotonic() - lost_since
         if ctx.tolerate(gone) and store is not None:  # the chief declares them; the others wait for it
             if ctx.is_chief and silent > ctx.timeout_s:
-                _declare(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s")
+                # Its counter last moved about STALE_S before it was first seen missing
+                _declare(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s", silent + STALE_S)
                 continue
             silent -= STALE_S + 4 * HEARTBEAT_S
         if silent > ctx.timeout_s:
@@ -242,12 +243,13 @@ def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:
         live.seen.pop(r, None)
 
 
-def _declare(ctx, store, gone: list[int], what: str) -> None:
-    """The chief drops the lost ranks, with their nodes' workers: shards first, then the store."""
+def _declare(ctx, store, gone: list[int], what: str, silent_s: float) -> None:
+    """The chief drops the lost ranks, with their nodes' workers: shards first, then the store. silent_s:
+    how long they were silent before (the time to detect the loss)."""
     new = sorted(set().union(*(ctx.lost_with(r) for r in gone)) - set(ctx.dropped))
     if ctx.on_drop:
         ctx.on_drop(new)  # a survivor that reads the store next finds the shards told
-    ctx.dropped_at.append((new, time.perf_counter()))
+    ctx.dropped_at.append((new, time.perf_counter(), silent_s))
     ctx.dropped = ctx.dropped + new
     store.set("lost", ",".join(map(str, ctx.dropped)))
     write_note(ctx, ctx.dropped, "dropped")  # for the launcher, which kills those still running

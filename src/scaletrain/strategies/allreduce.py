@@ -12,6 +12,12 @@ Whether any replica holds a request (a stop signal, a timed checkpoint) travels 
 a one-element all-reduce started at the end of a step and read at the next: it
 overlaps that step's compute and costs no host-device sync, and every replica makes
 the same step its sync point, one step after the request came.
+
+With cluster.survive_loss the replicas average over a Ring instead (comm/ring.py), a
+group that re-forms without a lost node: no DDP (its group is fixed at its making),
+one flat all-reduce on the host after backward, the requests riding in its last two
+elements. After a loss an update averages the survivors' gradients, and the learning
+rate follows the smaller batch by the recipe's rule (optim.peak_lr).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.liveness import CHECKPOINT, STOP
+from ..comm.ring import Ring
 from ..noise import NoiseScale
+from ..optim import peak_lr
 from .base import Strategy, Tick
 from .traits import replica_images
 
@@ -123,9 +132,10 @@ class AllReduce(Strategy):
         self.ddp: DistributedDataParallel | None = None
         self.flag = torch.zeros(1)  # the requests (liveness.CHECKPOINT | STOP), on the host: no device sync
         self.asking = None  # the flag's all-reduce in flight (its work, comm/p2p.py)
+        self.ring = Ring(self.ctx, self._state, self._adopt) if self.ctx.tolerant and self.group is not None else None
 
     def wrap(self) -> torch.nn.Module:
-        if self.group is None:
+        if self.group is None or self.ring is not None:  # alone, or the ring averages in step()
             return self.model
         if self.ddp is None:
             b, k = replica_images(self.cfg), self.cfg.train.grad_accum_steps
@@ -135,6 +145,8 @@ class AllReduce(Strategy):
         return self.ddp
 
     def step(self, lr: float) -> Tick:
+        if self.ring is not None:
+            return self._ring_step(lr)
         asked = None
         if self.group is not None:
             grads = self.grads()
@@ -153,6 +165,58 @@ class AllReduce(Strategy):
         tick = self.advance(self.schedule.step_images, None if asked is None else bool(asked))
         self._ask(tick)
         return tick
+
+    def _ring_step(self, lr: float) -> Tick:
+        """One update over the ring: the gradients' sum and the requests' in one collective on the host,
+        the mean over the members it ended with; a replica that was behind took the front's update."""
+        grads, before, r = self.grads(), self.images, self.ctx.requests
+        flat = self.buffer("ring", self.numel + 2, self.wire or torch.float32, torch.device("cpu"))
+        flat[:-2].copy_(torch.cat([g.reshape(-1) for g in grads]))
+        flat[-2:] = torch.tensor([float(bool(r & CHECKPOINT)), float(bool(r & STOP))])
+        with self.counters.timed("comm_s"):
+            applied = self.ring.allreduce(flat, small=2)
+        n = self.ring.size
+        count_ring(self.counters, n, flat.numel() * flat.element_size())
+        asked = (CHECKPOINT if flat[-2] > 0 else 0) | (STOP if flat[-1] > 0 else 0)
+        if applied:
+            mean = flat[:-2].float().div_(n)
+            for g, v in zip(grads, _unflatten_dense_tensors(mean, grads)):
+                g.copy_(v)
+            images = n * replica_images(self.cfg)
+            # The rate of an update of the survivors' images, by the recipe's rule, against the job's full one
+            self.lr_scale = peak_lr(self.cfg.optim, images) / peak_lr(self.cfg.optim, self.schedule.step_images)
+            self.set_lr(lr * self.lr_scale)
+            self.optimizer.step()
+            self.images += images
+        # else: the front's update is this replica's now (Ring.adopt); its own gradient goes unused
+        self.counters.steps += 1
+        return Tick(self.images, bool(asked) or self.images >= self.schedule.next_point(before),
+                    self.images >= self.schedule.target, asked)
+
+    def _state(self) -> dict:
+        """What this replica holds, for one that was behind when the ring re-formed (Ring.adopt)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "images": self.images}
+
+    def _adopt(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.images = state["images"]
+
+    def healed(self, k: int) -> dict | None:
+        if self.ring is None:
+            return {}
+        if set(self.ring.members) & set(self.ctx.dropped):
+            return None  # dropped while this replica computed: its next collective re-forms the ring
+        loss = self.ring.losses[min(k, len(self.ring.losses) - 1)]
+        return {"steps_lost": int(loss["behind"]), "heal_s": round(loss["healed_s"], 3)}
+
+    def agree_stop(self, stop: bool) -> bool:
+        """Over the ring: whether the chief, which evaluated alone, stops."""
+        if self.ring is None:
+            return stop
+        t = torch.tensor([float(stop)])
+        self.ring.allreduce(t, small=1, op=dist.ReduceOp.MAX)
+        return bool(t[0] > 0)
 
     def _ask(self, tick: Tick) -> None:
         """Start the all-reduce of whether this replica holds a request, read at the next step (_asked)."""

@@ -61,6 +61,7 @@ class Counters:
 class Strategy:
     pusher = True  # whether this process talks to other nodes itself (PS: only node leaders do)
     ddp = None  # the DistributedDataParallel wrap() returned, where backward averages over a group
+    lr_scale = 1.0  # the rate applied over the schedule's: a re-formed ring's smaller batch (allreduce.py)
 
     def __init__(self, cfg, ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: Schedule) -> None:
@@ -108,6 +109,13 @@ class Strategy:
         evaluates where no collective joins the workers): what its replicas that must stop with it
         decide. Here there are none."""
         return stop
+
+    def healed(self, k: int) -> dict | None:
+        """How the replicas went on after the chief's k-th drop of lost ones (from 0), for summary.json's
+        lost_workers: where they re-form a group of their own (comm/ring.py), "steps_lost" (this worker's
+        steps whose gradient no update applied: 0 or 1) and "heal_s" (seconds from the drop to the
+        survivors' group agreeing where they stand); None until they did. Here nothing is re-formed."""
+        return {}
 
     def set_stages(self, numels: list[list[int]]) -> None:
         """The parameter sizes of every pipeline stage of the replica (job.py), for a strategy whose state

@@ -30,6 +30,9 @@ class Traits:
     per_node: bool = True  # one pusher per node (averaged inside) or one per replica
     backups: bool = False  # a version may go without strategy.backup_workers node gradients
     survives_loss: bool = False  # no update waits for every node: the job goes on without a lost one
+    # With cluster.survive_loss, the job goes on without a lost node too: all-reduce's group re-forms among the
+    # survivors (comm/ring.py), sync's shards wait for the pushers left
+    reforms: bool = False
     resizable: bool = False  # every replica holds the one state: a resume may change the node count
     rounds: bool = False   # all-reduce rounds in the background; replicas never wait for them
     # Replicas step alone between meetings every strategy.sync_every steps, where they "average" their weights
@@ -50,13 +53,13 @@ PS_STAGES = "pipeline stages would each leave the shards' sync points at another
 LOCAL_STAGES = "average whole replicas' weights when they meet; a stage's share alone is not built"
 
 REGISTRY: dict[str, Traits] = {
-    "allreduce": Traits(uses_ps=False, resizable=True),
+    "allreduce": Traits(uses_ps=False, resizable=True, reforms=True),
     "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
                               no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
                                         "each do by a different count"),
     "local-sgd": Traits(uses_ps=False, local="average", no_stages=LOCAL_STAGES),
     "diloco": Traits(uses_ps=False, local="outer", no_stages=LOCAL_STAGES),
-    "sync": Traits(uses_ps=True, server="sync"),
+    "sync": Traits(uses_ps=True, server="sync", reforms=True),
     "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True,
                      no_stages="would each drop another node's gradient as the late one"),
     "mixed-async": Traits(uses_ps=True, server="async", survives_loss=True, no_stages=PS_STAGES),
@@ -120,9 +123,11 @@ def wait_for(cfg, pushers: int) -> int:
 
 
 def tolerant(cfg) -> bool:
-    """Whether the job goes on without a lost worker node (then no collective joins the
-    workers: sync points meet at the shards, see ps/server.py)."""
-    return entry(cfg).survives_loss and not cfg.strategy.emulate_workers
+    """Whether the job goes on without a lost worker node (then no collective joins the workers
+    but the ring of a re-forming all-reduce: sync points meet at the shards, see ps/server.py, or in
+    the ring, comm/ring.py)."""
+    e = entry(cfg)
+    return (e.survives_loss or e.reforms and cfg.cluster.survive_loss) and not cfg.strategy.emulate_workers
 
 
 def lost_with(plan, rank: int) -> list[int]:

@@ -1,0 +1,99 @@
+"""The ring that re-forms without a lost member (comm/ring.py), on three real processes over gloo.
+
+The chief's declaration (liveness.py) is played by the test's processes themselves: once member 2
+has left, each survivor's `ctx.dropped` names it, as its heartbeat thread would once the chief
+declared it. What is checked is the ring's own part: its collectives go on among the survivors,
+and a member that was one collective behind takes the front's state, bit for bit, instead of
+redoing its own.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT, free_port
+
+MEMBER = textwrap.dedent("""
+    import datetime, json, os, sys, threading, time, types
+    import torch, torch.distributed as dist
+    from scaletrain.comm.ring import Ring
+
+    rank, port, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, datetime.timedelta(seconds=30))
+    ctx = types.SimpleNamespace(rank=rank, dropped=[], timeout_s=5.0, store=store, _main=None,
+                                plan=types.SimpleNamespace(workers=[types.SimpleNamespace(rank=r) for r in range(3)]))
+    weights = torch.full((1000,), float(rank))  # what a member holds: a front member's goes to those behind
+    ring = Ring(ctx, lambda: {"w": weights.clone()}, lambda s: weights.copy_(s["w"]))
+
+    def declare():  # the chief's word, once member 2 is gone
+        while not store.check(["gone/2"]):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        ctx.dropped = [2]
+
+    threading.Thread(target=declare, daemon=True).start()
+    out = {}
+    for i in range(3):
+        t = torch.ones(10)
+        assert ring.allreduce(t) and t[0] == 3
+    if rank == 2:
+        store.set("gone/2", "1")
+        os._exit(9) if how == "kill" else os.kill(os.getpid(), 19)
+    if rank == 0 and how == "behind":  # as if its 4th collective ended here and not at member 1: it stepped
+        weights.add_(100)
+        ring.done += 1
+        ring.last = torch.tensor([7.0])
+    t = torch.tensor([float(rank + 1), 0.0])
+    out["applied"] = ring.allreduce(t, small=1)
+    out["result"] = t.tolist()
+    if rank == 1 and not out["applied"]:  # behind: the front is at its 5th collective; so is this one now
+        t = torch.tensor([float(rank + 1), 0.0])
+        out["then"] = (ring.allreduce(t, small=1), t.tolist())
+    out.update(weights=weights.tolist()[:3], members=ring.members, done=ring.done, losses=len(ring.losses))
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # member 2 may still be stopped: no group's destructor waits for it
+""")
+
+
+def run_ring(tmp_path, how):
+    port = free_port()
+    script = tmp_path / "member.py"
+    script.write_text(MEMBER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), how], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs[:2]]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+
+
+def test_the_survivors_of_a_killed_member_go_on_in_a_ring_of_two(tmp_path):
+    a, b = run_ring(tmp_path, "kill")
+    for got in (a, b):
+        # Redone among the two: 1 + 2, each member's own state kept
+        assert got["applied"] and got["result"] == [3.0, 0.0] and got["members"] == [0, 1], got
+        assert got["done"] == 4 and got["losses"] == 1
+    assert a["weights"] == [0.0] * 3 and b["weights"] == [1.0] * 3
+
+
+def test_the_survivors_of_a_frozen_member_leave_it_waiting(tmp_path):
+    for got in run_ring(tmp_path, "stop"):
+        assert got["applied"] and got["result"] == [3.0, 0.0] and got["members"] == [0, 1], got
+
+
+def test_a_member_behind_takes_the_fronts_state_bit_for_bit(tmp_path):
+    front, behind = run_ring(tmp_path, "behind")
+    # The front redid its 5th collective in the new ring; the one behind took its state and its 4th's
+    # small result, then met it there
+    assert front["applied"] and front["result"] == [3.0, 0.0], front
+    assert not behind["applied"] and behind["result"] == [2.0, 7.0], behind
+    assert behind["then"] == [True, [3.0, 0.0]], behind
+    assert behind["weights"] == front["weights"] == [100.0] * 3
+    assert front["done"] == behind["done"] == 5
