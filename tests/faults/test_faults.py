@@ -323,11 +323,13 @@ def test_with_survive_loss_a_job_goes_on_in_place_without_a_lost_worker(tmp_path
     os.kill(pid, sig)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
-    assert f"rank {rank} (worker 2 on node 3) sent no heartbeat for 5 s; the job goes on without node 3" in err, err
+    # A killed process is dropped as soon as the launcher saw it end; a frozen one once silent for the timeout
+    what = "sent no heartbeat for 5 s" if sig == signal.SIGSTOP else "ended (its launcher saw it exit)"
+    assert f"rank {rank} (worker 2 on node 3) {what}; the job goes on without node 3" in err, err
     s = json.loads((run_dir / "summary.json").read_text())
     (lost,) = s["lost_workers"]
     print(lost)
-    assert lost["nodes"] == [3] and lost["detect_s"] <= TIMEOUT_S + 3 + 1, lost  # STALE_S, a beat
+    assert lost["nodes"] == [3] and lost["detect_s"] <= (TIMEOUT_S + 3 + 1 if sig == signal.SIGSTOP else 1.5), lost
     assert s["images_applied"] >= 100 * 3 * 32 and [w["node"] for w in s["per_worker"]] == [0, 1], s
     if strategy == "allreduce":
         assert lost["steps_lost"] <= 1 and lost["heal_s"] < 5, lost

@@ -152,7 +152,7 @@ class _Liveness:
 
 def heartbeat(ctx) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, lost_since, failures = ctx.store, None, 0
+    store, lost_since, failures, ended = ctx.store, None, 0, []
     live = _Liveness(ctx)
     watch = _StoreWatch(ctx)
     watch.start(threading.current_thread())
@@ -172,6 +172,8 @@ def heartbeat(ctx) -> None:
                 if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
                     _leave(ctx, store, failed, "failed")
             gone = [r for r in live.missing(store, counters) if r not in ctx.dropped]
+            ended = [r for r in _ended(ctx) if r not in ctx.dropped] if ctx.is_chief else []
+            gone += [r for r in ended if r not in gone]
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             # Rank 0 may have left because of a peer already seen missing: name that one first.
             gone = ctx.gone + [0] if 0 not in ctx.gone else ctx.gone
@@ -185,6 +187,9 @@ def heartbeat(ctx) -> None:
         lost_since = lost_since or time.monotonic()
         silent = time.monotonic() - lost_since
         if ctx.tolerate(gone) and store is not None:  # the chief declares them; the others wait for it
+            if ctx.is_chief and set(gone) <= set(ended):  # dead for sure: no silence to wait out
+                _declare(ctx, store, gone, "ended (its launcher saw it exit)", silent + _age(ctx, "exited"))
+                continue
             if ctx.is_chief and silent > ctx.timeout_s:
                 # Its counter last moved about STALE_S before it was first seen missing
                 _declare(ctx, store, gone, f"sent no heartbeat for {ctx.timeout_s:.0f} s", silent + STALE_S)
@@ -229,6 +234,28 @@ class _StoreWatch:
             if still > bound and beating.is_alive():
                 _leave(self.ctx, None, [0], f"stopped answering: the job's store, which it serves, did not answer "
                                             f"for {still:.0f} s (frozen, or this node cut off from it)")
+
+
+def _ended(ctx) -> list[int]:
+    """The ranks the job's launcher saw exit in nodes the job may go on without (RUN_DIR/logs/exited,
+    written by the local launcher): dead, whatever their counters say yet."""
+    if not ctx.note:  # no launcher note beside this process's log: nothing said
+        return []
+    try:
+        with open(os.path.join(os.path.dirname(ctx.note), "exited")) as fh:
+            return [int(r) for r in fh.read().split(",") if r.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _age(ctx, name: str) -> float:
+    """Seconds since the launcher's note `name` was written."""
+    if not ctx.note:
+        return 0.0
+    try:
+        return max(0.0, time.time() - os.path.getmtime(os.path.join(os.path.dirname(ctx.note), name)))
+    except OSError:
+        return 0.0
 
 
 def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:

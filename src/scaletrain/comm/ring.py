@@ -59,8 +59,17 @@ class Ring:
     def size(self) -> int:
         return len(self.members)
 
+    def _dropped(self) -> set[int]:
+        """The ranks the chief dropped: as this process's heartbeat thread last read them, and as the store
+        says now (the thread reads it once a beat; the ring, waiting to re-form, sooner)."""
+        got = set(self.ctx.dropped)
+        if self.store.check(["lost"]):
+            got.update(int(r) for r in self.store.get("lost").decode().split(",") if r)
+        return got
+
     def _make(self) -> None:
-        self.members = [r for r in self.workers if r not in self.ctx.dropped]
+        dropped = self._dropped()
+        self.members = [r for r in self.workers if r not in dropped]
         tag = ",".join(map(str, sorted(set(self.workers) - set(self.members)))) or "-"
         # Its making waits for every member to connect: a member dropped meanwhile fails it within this bound
         bound = datetime.timedelta(seconds=self.ctx.timeout_s + STALE_S + 10)
@@ -111,10 +120,10 @@ class Ring:
         started = time.perf_counter()
         while True:
             bound = time.monotonic() + self.ctx.timeout_s + 2 * STALE_S + 10  # the heartbeats decide within it
-            while not set(self.members) & set(self.ctx.dropped):
+            while not set(self.members) & self._dropped():
                 if time.monotonic() > bound:  # no peer lost: the failure is this process's own
                     raise self._failed or RuntimeError("the replicas' all-reduce failed")
-                time.sleep(HEARTBEAT_S / 5)
+                time.sleep(HEARTBEAT_S / 10)
             declared = time.perf_counter()
             try:
                 self._make()

@@ -153,7 +153,8 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
+    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped",
+                 run_dir / "logs" / "exited"]:  # an earlier attempt's
         note.unlink(missing_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     threads = max(1, (os.cpu_count() or 1) // plan.world_size)
@@ -247,6 +248,7 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
                     if rc == EXIT_PEER else []
                 if failed is None and not named and survivable(set(dropped + spared + traits.lost_with(plan, rank))):
                     spared.append(rank)
+                    write_ranks(run_dir, "exited", spared)  # the chief drops them at once (comm/liveness.py)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job may go on without "
                           f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
                 elif rc == EXIT_PEER and failed is None and not frozen and cut is None and \
@@ -372,6 +374,13 @@ def read_ranks(run_dir: Path, name: str) -> list[int]:
         return [int(r) for r in (run_dir / "logs" / name).read_text().split(",") if r.strip()]
     except (OSError, ValueError):
         return []
+
+
+def write_ranks(run_dir: Path, name: str, ranks: list[int]) -> None:
+    """RUN_DIR/logs/NAME listing `ranks`, replaced whole: a reader never sees half of it."""
+    part = run_dir / "logs" / f".{name}.part"
+    part.write_text(",".join(map(str, ranks)) + "\n")
+    os.replace(part, run_dir / "logs" / name)
 
 
 def _stop(procs: list[Forked], sig: int) -> None:
