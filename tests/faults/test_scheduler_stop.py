@@ -22,8 +22,9 @@ def tracebacks(run_dir, err):
 
 
 @pytest.mark.parametrize("sets", [["strategy.name=allreduce"], ["strategy.name=sync", "cluster.num_ps=1"],
-                                  ["strategy.name=local-sgd", "strategy.sync_every=64"]],
-                         ids=["allreduce", "sync", "local-sgd"])
+                                  ["strategy.name=local-sgd", "strategy.sync_every=64"],
+                                  ["strategy.name=allreduce", "cluster.survive_loss=true"]],
+                         ids=["allreduce", "sync", "local-sgd", "allreduce-survive"])
 def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(tmp_path, env, sets):
     run_dir = tmp_path / "run"
     sets = [*sets, "data.workers=1"]

@@ -17,6 +17,13 @@ included), and those that were one collective behind take its result instead of
 redoing theirs. Every member that was at the front redoes its collective in the
 new group: the step in progress is not lost, only the lost replicas' share of it.
 
+torchft (0.2.0) re-forms its groups the same way, a gloo group over a store prefix
+per quorum, but it is not used here: `import torchft` fails without its three
+opentelemetry packages (its otel.py imports them unconditionally), its quorum
+needs a lighthouse server process and an RPC every step, and its healing sends
+the state over HTTP, outside torch.distributed. Here the quorum is the chief's
+declaration, which the heartbeats already make, and costs no step anything.
+
 A group left this way may still have gloo threads waiting on the frozen peer, and
 they may still write into the collective's buffer: both are kept (`_left`), never
 destroyed or reused (a group's destructor would wait for those threads).
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import threading
 import time
 from typing import Callable
 
@@ -49,7 +57,8 @@ class Ring:
         self.store = _main_store(ctx).clone()  # the groups' own client: they connect through it
         self.done = 0  # the collectives this member finished
         self.last = torch.zeros(0)  # the small result of the last one (requests), for a member behind
-        self.losses: list[dict] = []  # each re-forming: when, its detection and its healing, in seconds
+        # each re-forming: its wait for the chief's word and its healing, in seconds; whether this member was behind
+        self.losses: list[dict] = []
         self._left: list = []  # (group, buffer) of each collective left: never destroyed nor reused
         self.buf: torch.Tensor | None = None
         self._failed: BaseException | None = None
@@ -100,13 +109,13 @@ class Ring:
                 return False
 
     def _waited(self, work) -> bool:
-        """Whether the work finished; False once it failed or a member was dropped while it waited."""
-        pause = 1e-4
-        while not work.is_completed():
+        """Whether the work finished; False once it failed or a member was dropped while it waited. Woken by
+        the work's end itself (its future's callback, from gloo's thread): no polling delay on a step."""
+        ended = threading.Event()
+        work.get_future().add_done_callback(lambda _: ended.set())
+        while not ended.wait(HEARTBEAT_S / 10):
             if set(self.members) & set(self.ctx.dropped):
                 return False
-            time.sleep(pause)
-            pause = min(2 * pause, 5e-3)
         try:
             work.wait()
             return True
@@ -162,7 +171,7 @@ class Ring:
             torch.empty(int(size.item()), dtype=torch.uint8)
         self._broadcast(payload, root)
         if me != root:
-            got = torch.load(io.BytesIO(payload.numpy().tobytes()))
+            got = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")  # adopt copies to the device
             self.adopt(got["state"])
             self.last = got["last"]
 
