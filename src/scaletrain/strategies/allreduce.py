@@ -170,8 +170,10 @@ class AllReduce(Strategy):
         """One update over the ring: the gradients' sum and the requests' in one collective on the host,
         the mean over the members it ended with; a replica that was behind took the front's update."""
         grads, before, r = self.grads(), self.images, self.ctx.requests
-        flat = self.buffer("ring", self.numel + 2, self.wire or torch.float32, torch.device("cpu"))
-        flat[:-2].copy_(torch.cat([g.reshape(-1) for g in grads]))
+        dev = grads[0].device  # gloo's collective runs on the host: pinned memory, one copy each way
+        flat = self.buffer("ring", self.numel + 2, self.wire or torch.float32, torch.device("cpu"),
+                           pin=dev.type == "cuda")
+        flat[:-2].copy_(torch.cat([g.reshape(-1) for g in grads]))  # on a GPU a host-device sync, every step
         flat[-2:] = torch.tensor([float(bool(r & CHECKPOINT)), float(bool(r & STOP))])
         with self.counters.timed("comm_s"):
             applied = self.ring.allreduce(flat, small=2)
@@ -179,7 +181,7 @@ class AllReduce(Strategy):
         count_ring(self.counters, n, flat.numel() * flat.element_size())
         asked = (CHECKPOINT if flat[-2] > 0 else 0) | (STOP if flat[-1] > 0 else 0)
         if applied:
-            mean = flat[:-2].float().div_(n)
+            mean = flat[:-2].to(dev, torch.float32).div_(n)  # on a GPU one copy to it; in place on the host
             for g, v in zip(grads, _unflatten_dense_tensors(mean, grads)):
                 g.copy_(v)
             images = n * replica_images(self.cfg)
