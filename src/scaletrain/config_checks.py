@@ -110,7 +110,7 @@ def check_relations(cfg) -> None:
 
 def _check_survive(cfg) -> None:
     """cluster.survive_loss with what it composes with: a strategy that re-forms or goes on anyway,
-    whole replicas (a ring of stages is not built), a job of several processes."""
+    whole replicas (a ring of stages is not built), real processes (not emulated workers)."""
     e, name = REGISTRY[cfg.strategy.name], cfg.strategy.name
     if not (e.reforms or e.survives_loss):
         able = ", ".join(n for n, t in REGISTRY.items() if t.reforms or t.survives_loss)

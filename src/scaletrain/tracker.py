@@ -149,7 +149,7 @@ class Tracker:
         s, t = self.sched, self.cfg.train
         at_eval = tick.stop or s.crossed(t.eval_every, self.last_point, tick.images)
         job_loss, asked = self._reduce(reset=at_eval)  # collective: returns once every worker has arrived
-        if self.ctx.tolerant:  # the shards' replies carried the requests of this point, the same for all
+        if self.ctx.tolerant:  # the shards' replies (or the ring's all-reduce) carried this point's requests
             asked = tick.asked
         self.ctx.requests &= ~(asked & CHECKPOINT)
         stop = tick.stop

@@ -17,7 +17,7 @@ from conftest import ROOT, free_port
 MEMBER = textwrap.dedent("""
     import datetime, json, os, sys, threading, time, types
     import torch, torch.distributed as dist
-    from scaletrain.comm.ring import Ring
+    from scaletrain.comm.ring import Finished, Ring
 
     rank, port, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -45,8 +45,17 @@ MEMBER = textwrap.dedent("""
         weights.add_(100)
         ring.done += 1
         ring.last = torch.tensor([7.0])
+    if rank == 0 and how == "finished":  # the front ended the job (end.finish marks it done); it serves the store
+        store.set("done/0", "1")
+        time.sleep(5)
+        print(json.dumps(out), flush=True)
+        os._exit(0)
     t = torch.tensor([float(rank + 1), 0.0])
-    out["applied"] = ring.allreduce(t, small=1)
+    try:
+        out["applied"] = ring.allreduce(t, small=1)
+    except Finished:  # ended here, as the job's last step would
+        out["finished"] = True
+        out["applied"] = True
     out["result"] = t.tolist()
     if rank == 1 and not out["applied"]:  # behind: the front is at its 5th collective; so is this one now
         t = torch.tensor([float(rank + 1), 0.0])
@@ -97,3 +106,9 @@ def test_a_member_behind_takes_the_fronts_state_bit_for_bit(tmp_path):
     assert behind["then"] == [True, [3.0, 0.0]], behind
     assert behind["weights"] == front["weights"] == [100.0] * 3
     assert front["done"] == behind["done"] == 5
+
+
+def test_a_member_behind_a_front_that_ended_the_job_ends_too(tmp_path):
+    front, behind = run_ring(tmp_path, "finished")
+    # Member 2 was killed, the chief's word came, and the new ring would wait for member 0 for ever
+    assert behind["finished"] and behind["weights"] == [1.0] * 3 and behind["done"] == 3, behind

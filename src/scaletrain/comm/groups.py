@@ -78,6 +78,7 @@ class Context:
     lost_with: Callable[[int], list] = lambda rank: [rank]  # the ranks lost with one (its node's workers)
     on_drop: Callable[[list], None] | None = None  # the chief's heartbeat thread, before declaring ranks lost
     dropped: list[int] = field(default_factory=list)  # ranks declared lost; the job goes on without them
+    joined: float = field(default_factory=time.time)  # when this process joined its job (wall clock)
     # chief: (ranks, time.perf_counter(), seconds they were silent before) of each declaration
     dropped_at: list = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)

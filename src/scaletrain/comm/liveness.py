@@ -26,16 +26,20 @@ or two. The strategies carry the bits to the next sync point (schedule.py),
 where every process acts on the same (train.py).
 
 A lost worker node the strategy trains on without (`Context.tolerate`,
-strategies/traits.survivable: asynchronous PS modes, never the chief's node) is
-dropped instead of ending the job. Only the chief declares: once such ranks
-were silent for cluster.timeout_s, its heartbeat thread tells the shards
+strategies/traits.survivable: asynchronous PS modes, and allreduce and sync
+with cluster.survive_loss; never the chief's node) is dropped instead of ending
+the job. Only the chief declares: once such ranks were silent for
+cluster.timeout_s, or at once when the local launcher saw them exit
+(RUN_DIR/logs/exited), its heartbeat thread tells the shards
 (`Context.on_drop`), then lists them in the store (`lost`) and in
 RUN_DIR/logs/dropped (for the launcher, which kills them if still there).
 Every heartbeat thread reads the list into `Context.dropped` and stops
 waiting for those ranks; a process that finds itself there (frozen, then
-woken) exits. No collective joins the workers of such a job after start-up
-(`Context.tolerant`): its sync points meet at the shards, and its end meets in
-the store (end.store_gather, end.finish), where a dropped rank is not waited for.
+woken) exits. No collective of the job's process groups joins the workers of
+such a job after start-up (`Context.tolerant`): its sync points meet at the
+shards or in all-reduce's ring (comm/ring.py, which re-forms without them),
+and its end meets in the store (end.store_gather, end.finish), where a
+dropped rank is not waited for.
 """
 
 from __future__ import annotations
@@ -238,11 +242,15 @@ class _StoreWatch:
 
 def _ended(ctx) -> list[int]:
     """The ranks the job's launcher saw exit in nodes the job may go on without (RUN_DIR/logs/exited,
-    written by the local launcher): dead, whatever their counters say yet."""
+    written by the local launcher): dead, whatever their counters say yet. A note older than this
+    process is an earlier run's (a run directory resumed under another launcher): not this job's."""
     if not ctx.note:  # no launcher note beside this process's log: nothing said
         return []
+    path = os.path.join(os.path.dirname(ctx.note), "exited")
     try:
-        with open(os.path.join(os.path.dirname(ctx.note), "exited")) as fh:
+        if os.path.getmtime(path) < ctx.joined:
+            return []
+        with open(path) as fh:
             return [int(r) for r in fh.read().split(",") if r.strip()]
     except (OSError, ValueError):
         return []

@@ -25,13 +25,15 @@ the state over HTTP, outside torch.distributed. Here the quorum is the chief's
 declaration, which the heartbeats already make, and costs no step anything.
 
 A group left this way may still have gloo threads waiting on the frozen peer, and
-they may still write into the collective's buffer: both are kept (`_left`), never
-destroyed or reused (a group's destructor would wait for those threads).
+they may still write into the collective's buffer: both are kept for ever
+(`_leave`), never destroyed or reused (a group's destructor would wait for those
+threads). A member one collective behind a front that has ended the job meanwhile
+(end.finish marked it done) ends too (`Finished`).
 """
 
 from __future__ import annotations
 
-import datetime
+import ctypes
 import io
 import threading
 import time
@@ -46,6 +48,20 @@ from .liveness import HEARTBEAT_S, STALE_S
 from .p2p import OPERATION_TIMEOUT
 
 
+class Finished(Exception):
+    """A member left the ring at the job's end while this one was a collective behind it."""
+
+
+class _Lost(Exception):
+    """A collective of the ring failed, or a member was dropped while it waited."""
+
+
+def _keep_for_ever(obj) -> None:
+    """A reference that is never released: a gloo group still waiting on a frozen peer would make its
+    destructor (at the latest, at the interpreter's exit) wait for that peer for ever."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 class Ring:
     """An all-reduce group of the workers the job still has."""
 
@@ -54,12 +70,11 @@ class Ring:
         take such a state. Collective over the workers: every one makes the first group."""
         self.ctx, self.state, self.adopt = ctx, state, adopt
         self.workers = [p.rank for p in ctx.plan.workers]
-        self.store = _main_store(ctx).clone()  # the groups' own client: they connect through it
+        self.store = _main_store(ctx).clone()  # this thread's client (the groups are made on a thread of theirs)
         self.done = 0  # the collectives this member finished
         self.last = torch.zeros(0)  # the small result of the last one (requests), for a member behind
         # each re-forming: its wait for the chief's word and its healing, in seconds; whether this member was behind
         self.losses: list[dict] = []
-        self._left: list = []  # (group, buffer) of each collective left: never destroyed nor reused
         self.buf: torch.Tensor | None = None
         self._failed: BaseException | None = None
         self._make()
@@ -76,52 +91,89 @@ class Ring:
             got.update(int(r) for r in self.store.get("lost").decode().split(",") if r)
         return got
 
+    def _finished(self, members: list[int]) -> bool:
+        """Whether a member ended its part of the job (end.finish marks it done): it joins no group again."""
+        return any(r != self.ctx.rank and self.store.check([f"done/{r}"]) for r in members)
+
     def _make(self) -> None:
-        dropped = self._dropped()
-        self.members = [r for r in self.workers if r not in dropped]
-        tag = ",".join(map(str, sorted(set(self.workers) - set(self.members)))) or "-"
-        # Its making waits for every member to connect: a member dropped meanwhile fails it within this bound
-        bound = datetime.timedelta(seconds=self.ctx.timeout_s + STALE_S + 10)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ring/{tag}", self.store),
-                                        self.members.index(self.ctx.rank), len(self.members), bound)
+        """The group of the workers not dropped, under a prefix the dropped ranks name, so every member makes
+        the same one. Its making waits for every member to connect, as long as a healthy one needs (the
+        chief may be evaluating alone); made on a thread of its own, it is left for a new group once a
+        member is dropped meanwhile."""
+        while True:
+            dropped = self._dropped()
+            members = [r for r in self.workers if r not in dropped]
+            tag = ",".join(map(str, sorted(dropped & set(self.workers)))) or "-"
+            made: dict = {}
+
+            def make(store=self.store.clone()) -> None:  # a client of its own: clients are not shared
+                store.set_timeout(OPERATION_TIMEOUT)
+                try:
+                    made["pg"] = dist.ProcessGroupGloo(dist.PrefixStore(f"ring/{tag}", store),
+                                                       members.index(self.ctx.rank), len(members), OPERATION_TIMEOUT)
+                except RuntimeError as e:
+                    made["error"] = e
+
+            maker = threading.Thread(target=make, daemon=True, name="ring")
+            maker.start()
+            while maker.is_alive():
+                maker.join(HEARTBEAT_S / 5)
+                if maker.is_alive() and self._dropped() - dropped:
+                    break  # a member lost while the group was made: a group without it
+                if maker.is_alive() and self._finished(members):
+                    raise Finished
+            if "pg" in made:
+                self.members, self.pg = members, made["pg"]
+                return
+            if "error" in made:
+                raise made["error"]
 
     def allreduce(self, t: torch.Tensor, small: int = 0, op=dist.ReduceOp.SUM) -> bool:
         """Sum `t` (a host tensor) over the members, in place. Its last `small` elements are the
         collective's small result (requests), kept for a member behind. False where this member was
         behind: it took the front member's state (adopt) and `t` holds that member's small result at its
-        end; its own step is not to be applied."""
+        end; its own step is not to be applied. Raises Finished where the front ended the job meanwhile."""
         while True:
             # gloo gets a buffer of the ring's: one a failed collective left may still be written by its thread
             buf = self.buf = self.buf if self.buf is not None and self.buf.shape == t.shape and \
                 self.buf.dtype == t.dtype else torch.empty_like(t)
             buf.copy_(t)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp, opts.timeout = op, OPERATION_TIMEOUT  # a healthy peer may take any time
-            if self._waited(self.pg.allreduce([buf], opts)):  # collective over the members
+            try:
+                self._run(self.pg.allreduce, [buf], dist.AllreduceOptions(), reduceOp=op)
                 t.copy_(buf)
                 self.done += 1
                 self.last = t[t.numel() - small:].clone()
                 return True
-            self._left.append((self.pg, buf))
-            self.buf = None
+            except _Lost:
+                self._leave(buf)
             if not self._reform():
                 t[t.numel() - small:] = self.last
                 return False
 
-    def _waited(self, work) -> bool:
-        """Whether the work finished; False once it failed or a member was dropped while it waited. Woken by
-        the work's end itself (its future's callback, from gloo's thread): no polling delay on a step."""
+    def _run(self, call, tensors: list, opts, **fields) -> None:
+        """A collective over the members, waited for as long as a healthy peer needs (an evaluation, a
+        checkpoint); raises _Lost once it failed or a member was dropped while it waited. Woken by the
+        work's end itself (its future's callback, from gloo's thread): no polling delay on a step."""
+        for k, v in dict(fields, timeout=OPERATION_TIMEOUT).items():
+            setattr(opts, k, v)
+        work = call(tensors, opts)  # collective over the members
         ended = threading.Event()
         work.get_future().add_done_callback(lambda _: ended.set())
         while not ended.wait(HEARTBEAT_S / 10):
             if set(self.members) & set(self.ctx.dropped):
-                return False
+                raise _Lost
         try:
             work.wait()
-            return True
         except RuntimeError as e:
             self._failed = e
-            return False
+            raise _Lost from None
+
+    def _leave(self, buf: torch.Tensor | None = None) -> None:
+        """Leave the group (and the buffer its collective had): never destroyed nor reused."""
+        _keep_for_ever(self.pg)
+        if buf is not None:
+            _keep_for_ever(buf)
+            self.buf = None
 
     def _reform(self) -> bool:
         """Make the group of the members left, once the chief dropped the lost ones; agree on where they
@@ -130,35 +182,38 @@ class Ring:
         while True:
             bound = time.monotonic() + self.ctx.timeout_s + 2 * STALE_S + 10  # the heartbeats decide within it
             while not set(self.members) & self._dropped():
+                if self._finished(self.members):
+                    raise Finished
                 if time.monotonic() > bound:  # no peer lost: the failure is this process's own
                     raise self._failed or RuntimeError("the replicas' all-reduce failed")
                 time.sleep(HEARTBEAT_S / 10)
             declared = time.perf_counter()
+            self._make()
             try:
-                self._make()
+                behind = self._agree()
                 break
-            except RuntimeError as e:  # another member lost while it connected: the next drop follows
-                self._failed = e
-        done = torch.tensor([float(self.done), -float(self.done)])
-        self._reduce(done, dist.ReduceOp.MAX)
-        front, low = int(done[0]), -int(done[1])
-        behind = self.done < front
-        if low < front:  # some finished the collective their peers did not: the lowest at the front sends
-            leader = torch.tensor([float(len(self.members) if behind else self.members.index(self.ctx.rank))])
-            self._reduce(leader, dist.ReduceOp.MIN)
-            self._send_state(int(leader.item()))
-        self.done = front
+            except _Lost:  # another member lost while they agreed: again, without it
+                self._leave()
         self.losses.append({"declared_s": declared - started, "healed_s": time.perf_counter() - declared,
                             "behind": behind})
         return not behind
 
-    def _reduce(self, t: torch.Tensor, op) -> None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = op, OPERATION_TIMEOUT
-        self.pg.allreduce([t], opts).wait()
+    def _agree(self) -> bool:
+        """Where the members stand: whether this one is a collective behind the front, whose lowest member
+        then sends its state to those behind."""
+        done = torch.tensor([self.done, -self.done], dtype=torch.int64)
+        self._run(self.pg.allreduce, [done], dist.AllreduceOptions(), reduceOp=dist.ReduceOp.MAX)
+        front, low = int(done[0]), -int(done[1])
+        behind = self.done < front
+        if low < front:  # some finished the collective their peers did not
+            leader = torch.tensor([len(self.members) if behind else self.members.index(self.ctx.rank)])
+            self._run(self.pg.allreduce, [leader], dist.AllreduceOptions(), reduceOp=dist.ReduceOp.MIN)
+            self._send_state(int(leader), behind)
+        self.done = front
+        return behind
 
-    def _send_state(self, root: int) -> None:
-        """The front member `root`'s state, with its last small result, to every member."""
+    def _send_state(self, root: int, behind: bool) -> None:
+        """The front member `root`'s state, with its last small result, to every member; those behind take it."""
         me = self.members.index(self.ctx.rank)
         data = b""
         if me == root:
@@ -166,16 +221,11 @@ class Ring:
             torch.save({"state": self.state(), "last": self.last}, buf)
             data = buf.getvalue()
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._broadcast(size, root)
+        self._run(self.pg.broadcast, [size], dist.BroadcastOptions(), rootRank=root, rootTensor=0)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == root else \
-            torch.empty(int(size.item()), dtype=torch.uint8)
-        self._broadcast(payload, root)
-        if me != root:
+            torch.empty(int(size), dtype=torch.uint8)
+        self._run(self.pg.broadcast, [payload], dist.BroadcastOptions(), rootRank=root, rootTensor=0)
+        if behind:
             got = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")  # adopt copies to the device
             self.adopt(got["state"])
             self.last = got["last"]
-
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor, opts.timeout = root, 0, OPERATION_TIMEOUT
-        self.pg.broadcast([t], opts).wait()

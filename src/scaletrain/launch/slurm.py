@@ -200,7 +200,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     job = os.environ.get("SLURM_JOB_ID", "0")
     hosts = slurm_hosts(plan, os.environ, exclude)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped"]:  # an earlier attempt's
+    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped",
+                 run_dir / "logs" / "exited"]:  # an earlier attempt's (exited: a local launcher's)
         note.unlink(missing_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))  # what every process of the step reads
     hostfile = run_dir / "logs" / f"hosts-{job}.txt"

@@ -31,7 +31,7 @@ from torch._utils import _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.liveness import CHECKPOINT, STOP
-from ..comm.ring import Ring
+from ..comm.ring import Finished, Ring
 from ..noise import NoiseScale
 from ..optim import peak_lr
 from .base import Strategy, Tick
@@ -173,15 +173,26 @@ class AllReduce(Strategy):
         dev = grads[0].device  # gloo's collective runs on the host: pinned memory, one copy each way
         flat = self.buffer("ring", self.numel + 2, self.wire or torch.float32, torch.device("cpu"),
                            pin=dev.type == "cuda")
-        flat[:-2].copy_(torch.cat([g.reshape(-1) for g in grads]))  # on a GPU a host-device sync, every step
+        n0, mine = self.ring.size, torch.cat([g.reshape(-1) for g in grads])
+        if self.wire:  # summed in a half type: the parts of the mean, not of the sum, so it stays in range
+            mine.div_(n0)
+        flat[:-2].copy_(mine)  # on a GPU a host-device sync, every step
         flat[-2:] = torch.tensor([float(bool(r & CHECKPOINT)), float(bool(r & STOP))])
-        with self.counters.timed("comm_s"):
-            applied = self.ring.allreduce(flat, small=2)
+        try:
+            with self.counters.timed("comm_s"):
+                applied = self.ring.allreduce(flat, small=2)
+        except Finished:  # the others reached the job's target a step ahead of this replica: it ends too
+            return Tick(self.images, True, True)
         n = self.ring.size
         count_ring(self.counters, n, flat.numel() * flat.element_size())
         asked = (CHECKPOINT if flat[-2] > 0 else 0) | (STOP if flat[-1] > 0 else 0)
         if applied:
-            mean = flat[:-2].to(dev, torch.float32).div_(n)  # on a GPU one copy to it; in place on the host
+            mean = flat[:-2].to(dev, torch.float32)  # on a GPU one copy to it; on the host, flat itself
+            # Divided by the members the sum ended with: the ring may have lost some meanwhile
+            if self.wire:
+                mean.mul_(n0 / n)
+            else:
+                mean.div_(n)
             for g, v in zip(grads, _unflatten_dense_tensors(mean, grads)):
                 g.copy_(v)
             images = n * replica_images(self.cfg)
@@ -197,18 +208,21 @@ class AllReduce(Strategy):
 
     def _state(self) -> dict:
         """What this replica holds, for one that was behind when the ring re-formed (Ring.adopt)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "images": self.images}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "images": self.images,
+                "lr_scale": self.lr_scale}
 
     def _adopt(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.images = state["images"]
+        self.images, self.lr_scale = state["images"], state["lr_scale"]
 
     def healed(self, k: int) -> dict | None:
         if self.ring is None:
             return {}
         if set(self.ring.members) & set(self.ctx.dropped):
             return None  # dropped while this replica computed: its next collective re-forms the ring
+        if not self.ring.losses:  # dropped before the first ring was made: it never held them
+            return {}
         loss = self.ring.losses[min(k, len(self.ring.losses) - 1)]
         return {"steps_lost": int(loss["behind"]), "heal_s": round(loss["healed_s"], 3)}
 
@@ -217,7 +231,10 @@ class AllReduce(Strategy):
         if self.ring is None:
             return stop
         t = torch.tensor([float(stop)])
-        self.ring.allreduce(t, small=1, op=dist.ReduceOp.MAX)
+        try:
+            self.ring.allreduce(t, small=1, op=dist.ReduceOp.MAX)
+        except Finished:
+            return True
         return bool(t[0] > 0)
 
     def _ask(self, tick: Tick) -> None:

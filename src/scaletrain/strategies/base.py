@@ -113,8 +113,9 @@ class Strategy:
     def healed(self, k: int) -> dict | None:
         """How the replicas went on after the chief's k-th drop of lost ones (from 0), for summary.json's
         lost_workers: where they re-form a group of their own (comm/ring.py), "steps_lost" (this worker's
-        steps whose gradient no update applied: 0 or 1) and "heal_s" (seconds from the drop to the
-        survivors' group agreeing where they stand); None until they did. Here nothing is re-formed."""
+        steps whose gradient no update applied: 0 or 1) and "heal_s" (seconds from this worker seeing the
+        drop to its new group agreeing where its members stand); None until they did. Here nothing is
+        re-formed."""
         return {}
 
     def set_stages(self, numels: list[list[int]]) -> None:
