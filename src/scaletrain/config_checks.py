@@ -116,6 +116,9 @@ def _check_survive(cfg) -> None:
         able = ", ".join(n for n, t in REGISTRY.items() if t.reforms or t.survives_loss)
         raise ConfigError(f"cluster.survive_loss = true: strategy {name} cannot go on without a lost node "
                           f"(its replicas meet on steps of their own); these can: {able}")
+    if cfg.cluster.nodes < 2:
+        raise ConfigError("cluster.survive_loss = true: a job of one node has no node to go on without (the "
+                          "chief's never is); set cluster.nodes >= 2")
     if cfg.parallel.stages > 1:
         raise ConfigError(f"cluster.survive_loss = true: with parallel.stages = {cfg.parallel.stages} a lost "
                           "stage leaves its replica unable to step; set parallel.stages = 1")

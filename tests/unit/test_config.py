@@ -92,3 +92,15 @@ def test_cli_exits_2_with_one_line_before_work(tmp_path, override, env):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and override.split("=")[0] in lines[0], p.stderr
     assert not run_dir.exists()  # nothing started
+
+
+def test_survive_loss_is_refused_where_it_cannot_act():
+    for sets, said in (({"strategy": {"name": "local-sgd"}}, "strategy local-sgd cannot go on without a lost node"),
+                       ({"cluster": {"nodes": 1}}, "a job of one node has no node to go on without"),
+                       ({"parallel": {"stages": 2}, "cluster": {"gpus_per_node": 2}}, "parallel.stages = 2")):
+        cfg = {"cluster": {"nodes": 3, "survive_loss": True}}
+        for k, v in sets.items():
+            cfg[k] = {**cfg.get(k, {}), **v}
+        with pytest.raises(ConfigError, match=said):
+            build_config(cfg)
+    assert build_config({"cluster": {"nodes": 3, "survive_loss": True}}).cluster.survive_loss
