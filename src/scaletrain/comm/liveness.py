@@ -156,7 +156,7 @@ class _Liveness:
 
 def heartbeat(ctx) -> None:
     """The only user of the store after start-up (store clients are not shared across threads)."""
-    store, lost_since, failures, ended = ctx.store, None, 0, []
+    store, lost_since, failures, ended, said = ctx.store, None, 0, [], 0.0
     live = _Liveness(ctx)
     watch = _StoreWatch(ctx)
     watch.start(threading.current_thread())
@@ -176,7 +176,8 @@ def heartbeat(ctx) -> None:
                 if not ctx.tolerate(failed + _announcers(ctx, store)):  # else the chief declares them
                     _leave(ctx, store, failed, "failed")
             gone = [r for r in live.missing(store, counters) if r not in ctx.dropped]
-            ended = [r for r in _ended(ctx) if r not in ctx.dropped] if ctx.is_chief else []
+            ended, said = _ended(ctx) if ctx.is_chief else ([], 0.0)
+            ended = [r for r in ended if r not in ctx.dropped]
             gone += [r for r in ended if r not in gone]
         except Exception:  # noqa: BLE001 - the store lives in rank 0: it is gone
             # Rank 0 may have left because of a peer already seen missing: name that one first.
@@ -192,7 +193,7 @@ def heartbeat(ctx) -> None:
         silent = time.monotonic() - lost_since
         if ctx.tolerate(gone) and store is not None:  # the chief declares them; the others wait for it
             if ctx.is_chief and set(gone) <= set(ended):  # dead for sure: no silence to wait out
-                _declare(ctx, store, gone, "ended (its launcher saw it exit)", silent + _age(ctx, "exited"))
+                _declare(ctx, store, gone, "ended (its launcher saw it exit)", silent + said)
                 continue
             if ctx.is_chief and silent > ctx.timeout_s:
                 # Its counter last moved about STALE_S before it was first seen missing
@@ -240,30 +241,22 @@ class _StoreWatch:
                                             f"for {still:.0f} s (frozen, or this node cut off from it)")
 
 
-def _ended(ctx) -> list[int]:
+def _ended(ctx) -> tuple[list[int], float]:
     """The ranks the job's launcher saw exit in nodes the job may go on without (RUN_DIR/logs/exited,
-    written by the local launcher): dead, whatever their counters say yet. A note older than this
-    process is an earlier run's (a run directory resumed under another launcher): not this job's."""
+    written by the local launcher): dead, whatever their counters say yet; and the seconds since it said
+    so. A note older than this process is an earlier run's (a run directory resumed under another
+    launcher): not this job's."""
     if not ctx.note:  # no launcher note beside this process's log: nothing said
-        return []
+        return [], 0.0
     path = os.path.join(os.path.dirname(ctx.note), "exited")
     try:
-        if os.path.getmtime(path) < ctx.joined:
-            return []
+        written = os.path.getmtime(path)
+        if written < ctx.joined:
+            return [], 0.0
         with open(path) as fh:
-            return [int(r) for r in fh.read().split(",") if r.strip()]
+            return [int(r) for r in fh.read().split(",") if r.strip()], max(0.0, time.time() - written)
     except (OSError, ValueError):
-        return []
-
-
-def _age(ctx, name: str) -> float:
-    """Seconds since the launcher's note `name` was written."""
-    if not ctx.note:
-        return 0.0
-    try:
-        return max(0.0, time.time() - os.path.getmtime(os.path.join(os.path.dirname(ctx.note), name)))
-    except OSError:
-        return 0.0
+        return [], 0.0
 
 
 def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:
