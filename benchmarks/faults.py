@@ -36,6 +36,10 @@ word names) beside the rank that should be:
   survive-overhead                     4 replicas at emulated 0.1 s steps, 60
       steps, cluster.survive_loss off and on alternately, 3 runs each: the
       job's images per second, and the overhead, 1 - on / off (medians)
+  goodput-kill-every-30s               a worker of 4 killed every 30 s (1000
+      steps at emulated 0.1 s): images applied over the job's wall time, with
+      replacements that heal from a live replica and with restarts from the
+      newest checkpoint, each against the same job with no failure
   load-allreduce-8x2, -16x2            16 and 32 processes, emulated compute
       0.05 s, the default cluster.timeout_s: start_s (launch -> the chief's
       "data ready, training"), first_row_s (-> first metrics row), total_s
@@ -272,6 +276,44 @@ def survive_overhead(tmp: Path, repeats: int = 3) -> dict:
                 right=on / off >= 0.98)
 
 
+def goodput(tmp: Path, every_s: float = 30.0, steps: int = 1000) -> dict:
+    """A worker killed every `every_s` seconds (nodes 2, 3, 4 in turn) of a 4-replica allreduce job at emulated
+    0.1 s steps: its goodput (the target's images over the job's wall time, launch to exit, failures
+    included) when replacements heal from a live replica (survive_loss, replacements), and when the job
+    restarts from its newest checkpoint (max_restarts, a checkpoint every 50 steps), against the same job
+    with no failure."""
+    base = ["strategy.name=allreduce", "cluster.nodes=4", "train.emulate_compute_s=0.1", f"train.steps={steps}"]
+    modes = {"none": ["train.checkpoint_every=0"],
+             "replace": ["cluster.survive_loss=true", "cluster.replacements=50", "train.checkpoint_every=0"],
+             "restart": ["cluster.max_restarts=50", "train.checkpoint_every=50"]}
+    out = {}
+    for mode, sets in modes.items():
+        run_dir = tmp / f"goodput-{mode}"
+        job, kills = Job(run_dir, base + sets), 0
+        job.training(4, after_step=1)
+        t_next = time.time() + every_s
+        while job.p.poll() is None:
+            if mode != "none" and time.time() >= t_next:
+                rank = 1 + kills % 3
+                try:
+                    os.kill(json.loads((run_dir / "logs" / f"rank{rank}.json").read_text())["pid"], signal.SIGKILL)
+                    kills += 1
+                except (OSError, ValueError):
+                    pass
+                t_next += every_s
+            time.sleep(0.1)
+        rc, wall = job.wait(), time.time() - job.t0
+        summary = json.loads((run_dir / "summary.json").read_text()) if rc == 0 else {}
+        out[mode] = dict(exit=rc, kills=kills, wall_s=round(wall, 1), images=summary.get("images_applied"),
+                         goodput=round(summary.get("images_applied", 0) / wall, 1),
+                         joined=len(summary.get("joined_workers") or []), restarts=sum(
+                             "restart" in line and "of" in line for _, line in job.lines))
+    ratio = {m: round(out[m]["goodput"] / out["none"]["goodput"], 3) for m in ("replace", "restart")}
+    return dict(fault=f"kill -9 a worker every {every_s:.0f} s, 4 replicas at 0.1 s steps", strategy="allreduce",
+                runs=out, goodput_ratio=ratio, right=all(r["exit"] == 0 for r in out.values()) and
+                ratio["replace"] >= 0.9)
+
+
 def smaller_restart(tmp: Path) -> dict:
     """kill -9 of worker 2 of a 3-node allreduce job with cluster.min_nodes=2: it restarts on 2 nodes."""
     run_dir = tmp / "smaller-allreduce"
@@ -419,6 +461,7 @@ SCENARIOS = {
     "survive-sigstop-allreduce": lambda t: lost_node(t, "allreduce", signal.SIGSTOP, survive=True),
     "survive-kill-sync": lambda t: lost_node(t, "sync", signal.SIGKILL, survive=True),
     "survive-overhead": survive_overhead,
+    "goodput-kill-every-30s": goodput,
     "load-allreduce-8x2": lambda t: load(t, 8),
     "load-allreduce-16x2": lambda t: load(t, 16),
 }

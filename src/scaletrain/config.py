@@ -217,6 +217,10 @@ class ClusterConfig:
                              "among the survivors (the learning rate follows the smaller batch by optim.scale_lr), "
                              "under sync the shards wait for the nodes left; the asynchronous modes and backup always "
                              "do; never without the chief's node (docs/fault-tolerance.md)")
+    replacements: int = opt(0, "with survive_loss under allreduce, the local launcher starts a replacement for a "
+                            "dropped worker, which joins at a step boundary with a live replica's weights, optimizer "
+                            "and data position (no checkpoint read), up to this many over the job (0..1000)",
+                            lo=0, hi=1000)
     min_nodes: int = opt(0, "a restart may leave a failed worker node out while this many remain "
                          "(strategy allreduce; 0 = always cluster.nodes; 0..4096)", lo=0, hi=4096)
     stop_signals: str = opt("SIGTERM,SIGUSR1", "signals that stop the job after a checkpoint at the next step all "

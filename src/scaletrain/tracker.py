@@ -52,7 +52,8 @@ class Tracker:
         self.per_epoch = train_images // sched.step_images
         self.resumed_from = str(resumed.path) if resumed else None
         self.best, self.bad = (resumed.best, resumed.bad) if resumed else (None, set())
-        self.images0 = self.last_point = resumed.images if resumed else 0
+        # A replacement starts where the replica it took its state from was (comm/ring.py)
+        self.images0 = self.last_point = resumed.images if resumed else strategy.images
         self.clock = JobClock(self.images0, cfg.train.warmup_log_steps * sched.step_images)
         self.rec = Loggers(run_dir, cfg.train.loggers) if self.chief else None
         self.writer = checkpoint.Writer(run_dir / "checkpoints", cfg.train.keep_checkpoints) if self.chief else None
@@ -65,6 +66,7 @@ class Tracker:
             if len(test_set) and (self.chief or not ctx.tolerant) and not cfg.train.emulate_compute_s else None
         self.group = None if ctx.tolerant else ctx.job_group  # None when this is the only worker
         self.lost: list[dict] = []  # worker nodes the job went on without (chief)
+        self.joined: list[dict] = []  # replacements admitted (chief): summary.json's joined_workers
         self.losses = torch.zeros(2, 2, dtype=torch.float64, device=self.device)  # [since row, since eval] x [sum, n]
         self.final: dict[str, float] = {}
         self.target: dict[str, float] = {}
@@ -120,9 +122,20 @@ class Tracker:
             self.clock.tick(tick.images, close=False)
         if self.chief and len(self.ctx.dropped_at) > len(self.lost):
             self._note_lost(tick)
+        if self.chief and len(self.strategy.joined()) > len(self.joined):
+            self._note_joined(tick)
         every = self.cfg.train.checkpoint_every_s
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to the next sync point
+
+    def _note_joined(self, tick: Tick) -> None:
+        """Record the replacements admitted since the last step (cluster.replacements): as of this step."""
+        for j in self.strategy.joined()[len(self.joined):]:
+            nodes = lost_nodes(self.ctx.plan, j["ranks"])
+            self.joined.append({**nodes, "wall": round(j["t"] - self.clock.t0, 3), "images": tick.images,
+                                "step": self.sched.step_of(tick.images), "pause_s": round(j["pause_s"], 3)})
+            self.bar.message(f"step {self.sched.step_of(tick.images)}: a replacement joined for node "
+                             f"{', '.join(map(str, nodes['nodes']))}, with the chief's state")
 
     def _note_lost(self, tick: Tick, final: bool = False) -> None:
         """Record the worker nodes the chief declared lost since the last step: when (job clock)
@@ -317,6 +330,9 @@ class Tracker:
                        test_images: int) -> dict[str, Any]:
         """model.safetensors and summary.json (the chief)."""
         self._note_lost(tick, final=True)
+        self._note_joined(tick)
+        for row, measured in zip(self.joined, self.strategy.joined(final=True)):  # what each replacement measured
+            row.update({k: round(measured[k], 3) for k in ("start_s", "wait_s", "adopt_s") if k in measured})
         return stats.write_summary(self.run_dir, self.model, {
             "steps": self.sched.step_of(tick.images), "epochs": self.epoch(tick.images),
             "wall_seconds": self.clock.wall(), "eval_seconds": self.clock.paused,
@@ -327,7 +343,7 @@ class Tracker:
                 "test_loss_ema"), "ema_updates": self.ema.updates} if self.ema is not None else {}),
             "target_reached": bool(self.target), **self.target,
             "skipped_images": len(self.bad), "skipped_files": sorted(self.bad)[:20],
-            "lost_workers": self.lost, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
+            "lost_workers": self.lost, "joined_workers": self.joined, "resumed_from": self.resumed_from, "start_step": self.sched.step_of(self.images0),
             "train_images": train_images, "test_images": test_images,
             "emulated_compute_s": self.cfg.train.emulate_compute_s,
             # The gradient noise scale over the run (noise.py); None where none was measured

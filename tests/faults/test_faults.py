@@ -339,6 +339,32 @@ def test_with_survive_loss_a_job_goes_on_in_place_without_a_lost_worker(tmp_path
     no_orphans(procs)
 
 
+def test_a_replacement_joins_in_place_of_a_killed_worker_with_a_live_replicas_state(tmp_path, env):
+    """cluster.replacements: the launcher starts a replacement for the dropped worker, which joins at a step
+    boundary with the chief's weights, optimizer and progress (tests/dist/test_ring.py checks them bit for
+    bit); the job ends with all three nodes, no checkpoint read, no restart."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "cluster.nodes=3", "cluster.survive_loss=true",
+              "cluster.replacements=1", "cluster.max_restarts=0", "train.steps=150", "train.emulate_compute_s=0.1",
+              "train.checkpoint_every=0")
+    procs = wait_training(p, run_dir, 3)
+    rank, pid = role_pid(run_dir, "worker", 2)
+    os.kill(pid, signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert f"started a replacement for rank {rank} (worker 2 on node 3) (1/1)" in err, err
+    s = json.loads((run_dir / "summary.json").read_text())
+    (lost,), (joined,) = s["lost_workers"], s["joined_workers"]
+    print(lost, joined)
+    assert joined["nodes"] == [3] and joined["ranks"] == [rank] and joined["images"] > lost["images"], joined
+    assert 0 < joined["wait_s"] < 30 and 0 < joined["adopt_s"] < 5 and joined["pause_s"] < 5, joined
+    assert s["resumed_from"] is None and s["images_applied"] >= 150 * 3 * 32, s
+    assert [w["node"] for w in s["per_worker"]] == [0, 1, 2], s["per_worker"]  # the replacement reported too
+    replacement = (run_dir / "logs" / f"rank{rank}.1.log")
+    assert replacement.exists() and (run_dir / "logs" / f"rank{rank}.log").exists()  # the lost one's log kept
+    no_orphans(procs)
+
+
 def test_a_frozen_worker_of_an_asynchronous_job_is_dropped_and_killed(tmp_path, env):
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=async", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100")

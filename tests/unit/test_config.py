@@ -104,3 +104,12 @@ def test_survive_loss_is_refused_where_it_cannot_act():
         with pytest.raises(ConfigError, match=said):
             build_config(cfg)
     assert build_config({"cluster": {"nodes": 3, "survive_loss": True}}).cluster.survive_loss
+
+
+def test_replacements_need_a_job_that_heals_in_place():
+    for cluster, strategy in (({"nodes": 3, "replacements": 2}, "allreduce"),
+                              ({"nodes": 3, "replacements": 2, "survive_loss": True, "num_ps": 1}, "sync")):
+        with pytest.raises(ConfigError, match="cluster.replacements = 2: .* set cluster.survive_loss = true, with "
+                                              "strategy allreduce$"):
+            build_config({"cluster": cluster, "strategy": {"name": strategy}})
+    assert build_config({"cluster": {"nodes": 3, "replacements": 2, "survive_loss": True}}).cluster.replacements == 2

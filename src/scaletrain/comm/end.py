@@ -50,7 +50,8 @@ def finish(ctx: Context) -> None:
         ctx.store.set(f"done/{ctx.rank}", "1")
     except Exception:  # noqa: BLE001 - rank 0, which serves the store, may be gone: all are past the barrier
         pass
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a replacement joined no world (comm/ring.py)
+        dist.destroy_process_group()
 
 
 def store_gather(ctx: Context, key: str, data: bytes) -> dict[int, bytes]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
@@ -78,6 +79,12 @@ class Context:
     lost_with: Callable[[int], list] = lambda rank: [rank]  # the ranks lost with one (its node's workers)
     on_drop: Callable[[list], None] | None = None  # the chief's heartbeat thread, before declaring ranks lost
     dropped: list[int] = field(default_factory=list)  # ranks declared lost; the job goes on without them
+    # A replacement (cluster.replacements) joins a running job: a member from when the chief admits it (ring.py)
+    late: bool = False
+    member_since: float = 0.0  # monotonic time from which a `lost` that lists this rank means it was dropped
+    joining: dict = field(default_factory=dict)  # the chief: dropped rank -> its replacement's token, to admit
+    admitted_tokens: set = field(default_factory=set)  # the chief: the replacements admitted so far
+    lock: threading.Lock = field(default_factory=threading.Lock)  # dropped and joining: two threads change them
     joined: float = field(default_factory=time.time)  # when this process joined its job (wall clock)
     # chief: (ranks, time.perf_counter(), seconds they were silent before) of each declaration
     dropped_at: list = field(default_factory=list)
@@ -102,6 +109,11 @@ class Context:
 
     def describe(self, rank: int) -> str:
         return self.plan.describe(rank)
+
+    def admitted(self) -> None:
+        """A replacement is a member from now on (the chief removed it from `lost` before saying so)."""
+        with self.lock:
+            self.late, self.member_since = False, time.monotonic()
 
     def tolerate(self, ranks) -> bool:
         """Whether the job goes on without `ranks` (with their nodes), besides those dropped."""
@@ -152,6 +164,8 @@ def init(cfg: Config, plan: Plan, rdzv: Rendezvous) -> Context:
             # Keys under the job's id: a process of another job that reaches this store never meets ours.
             store = dist.PrefixStore(f"scaletrain/{rdzv.job}", _tcp_store(rdzv, timeout, loopback))
             beat = join(store, rdzv.rank)  # beating from here, a process stopped in the rendezvous is told apart
+            if rdzv.late:  # a replacement: the others' groups were made long ago; it joins the ring alone (ring.py)
+                return _start_heartbeat(_context(cfg, plan, rdzv, store, beat, late=True))
             dist.init_process_group("gloo", store=store, rank=rdzv.rank, world_size=rdzv.world, timeout=timeout)
             met = True
         return _groups(cfg, plan, rdzv, timeout, store, beat)
@@ -180,10 +194,8 @@ def _no_start(rdzv: Rendezvous, plan: Plan, store, met: bool, timeout: datetime.
 def _groups(cfg: Config, plan: Plan, rdzv: Rendezvous, timeout: datetime.timedelta, store, beat) -> Context:
     """The subgroups, checked; the heartbeat thread."""
     c = cfg.cluster
-    ctx = Context(plan, plan.procs[rdzv.rank], c.timeout_s, tolerant=traits.tolerant(cfg),
-                  survivable=lambda lost: traits.survivable(cfg, plan, lost),
-                  lost_with=lambda rank: traits.lost_with(plan, rank))
-    me, ctx.store, ctx._beat = ctx.me, store, beat
+    ctx = _context(cfg, plan, rdzv, store, beat)
+    me = ctx.me
     on_gpu = agree_on_devices(plan, me.rank)
     local_backend = "nccl" if on_gpu and c.backend != "gloo" else "gloo"
     # NCCL communicators are built now, on this process's GPU (set_device came first), not at their first
@@ -222,6 +234,19 @@ def _groups(cfg: Config, plan: Plan, rdzv: Rendezvous, timeout: datetime.timedel
     # Joined: from now on an operation waits as long as a healthy peer works; the heartbeats judge liveness.
     for g in [None] + [g for g in groups if not dist.distributed_c10d._rank_not_in_group(g)]:
         dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, g)
+    return _start_heartbeat(ctx)
+
+
+def _context(cfg: Config, plan: Plan, rdzv: Rendezvous, store, beat, late: bool = False) -> Context:
+    ctx = Context(plan, plan.procs[rdzv.rank], cfg.cluster.timeout_s, tolerant=traits.tolerant(cfg),
+                  survivable=lambda lost: traits.survivable(cfg, plan, lost),
+                  lost_with=lambda rank: traits.lost_with(plan, rank), late=late,
+                  member_since=math.inf if late else 0.0)
+    ctx.store, ctx._beat = store, beat
+    return ctx
+
+
+def _start_heartbeat(ctx: Context) -> Context:
     ctx._thread = threading.Thread(target=heartbeat, args=(ctx,), daemon=True, name="heartbeat")
     ctx._thread.start()
     return ctx

@@ -39,7 +39,10 @@ woken) exits. No collective of the job's process groups joins the workers of
 such a job after start-up (`Context.tolerant`): its sync points meet at the
 shards or in all-reduce's ring (comm/ring.py, which re-forms without them),
 and its end meets in the store (end.store_gather, end.finish), where a
-dropped rank is not waited for.
+dropped rank is not waited for. A replacement of a dropped rank (Context.late)
+asks to join in the store; the chief's heartbeat thread reads the request
+(`_read_joins`) and its ring admits it (`admit`: no longer dropped), after
+which a `lost` that lists the rank again means it was lost again.
 """
 
 from __future__ import annotations
@@ -166,9 +169,12 @@ def heartbeat(ctx) -> None:
             # Every counter and the job's word in one request, whatever the job's size. Read one by
             # one, N processes would send N^2 requests a beat to rank 0's store, each a wait for it
             # and for this process's GIL: seconds a beat on a few loaded cores.
+            read_at = time.monotonic()
             *counters, failed, stop, lost = store.multi_get(live.keys + WORD)
             _share_stop(ctx, store, int(stop))
-            _read_dropped(ctx, lost, live)
+            _read_dropped(ctx, lost, live, read_at)
+            if ctx.is_chief and ctx.dropped:
+                _read_joins(ctx, store)
             announced = int(failed)
             if announced > failures:  # a peer announced its failure: no need to wait it out
                 failures = announced
@@ -259,16 +265,42 @@ def _ended(ctx) -> tuple[list[int], float]:
         return [], 0.0
 
 
-def _read_dropped(ctx, lost: bytes, live: _Liveness) -> None:
-    """The ranks the chief declared lost: no longer waited for; this process exits if among them."""
-    if not ctx.is_chief and lost:
-        ctx.dropped = [int(r) for r in lost.decode().split(",")]
-    if ctx.rank in ctx.dropped:
-        print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
-              f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER)
+def _read_dropped(ctx, lost: bytes, live: _Liveness, read_at: float) -> None:
+    """The ranks the chief declared lost: no longer waited for; this process exits if among them (read
+    after it became a member: a replacement is listed until the chief admits it). A rank admitted since it
+    was dropped (a replacement) is watched again."""
+    with ctx.lock:
+        if not ctx.is_chief:
+            ctx.dropped = [int(r) for r in lost.decode().split(",") if r]
+        if ctx.rank in ctx.dropped and read_at > ctx.member_since:
+            print(f"scaletrain: error: {ctx.describe(ctx.rank)}: the job went on without this process (silent for "
+                  f"more than {ctx.timeout_s:.0f} s, or its node was lost); exiting", file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER)
+        for r in ctx.dropped:
+            live.seen.pop(r, None)
+        for r in range(ctx.plan.world_size):
+            if r != ctx.rank and r not in ctx.dropped and r not in live.seen:
+                live.seen[r] = (None, time.monotonic())
+
+
+def _read_joins(ctx, store) -> None:
+    """The chief: the dropped ranks whose replacement asked to join (comm/ring.py), for its next collective."""
     for r in ctx.dropped:
-        live.seen.pop(r, None)
+        if r not in ctx.joining and store.check([f"join/{r}"]):
+            token = store.get(f"join/{r}").decode()
+            if token not in ctx.admitted_tokens:
+                ctx.joining[r] = token
+
+
+def admit(ctx, ranks: list[int], store) -> None:
+    """The chief: `ranks` (replacements) are members again, no longer dropped, in the store's `lost` and the
+    launcher's note. `store`: the calling thread's client."""
+    with ctx.lock:
+        ctx.dropped = [r for r in ctx.dropped if r not in ranks]
+        for r in ranks:
+            ctx.admitted_tokens.add(ctx.joining.pop(r))
+        store.set("lost", ",".join(map(str, ctx.dropped)))
+        write_note(ctx, ctx.dropped, "dropped")
 
 
 def _declare(ctx, store, gone: list[int], what: str, silent_s: float) -> None:
@@ -277,10 +309,13 @@ def _declare(ctx, store, gone: list[int], what: str, silent_s: float) -> None:
     new = sorted(set().union(*(ctx.lost_with(r) for r in gone)) - set(ctx.dropped))
     if ctx.on_drop:
         ctx.on_drop(new)  # a survivor that reads the store next finds the shards told
-    ctx.dropped_at.append((new, time.perf_counter(), silent_s))
-    ctx.dropped = ctx.dropped + new
-    store.set("lost", ",".join(map(str, ctx.dropped)))
-    write_note(ctx, ctx.dropped, "dropped")  # for the launcher, which kills those still running
+    with ctx.lock:  # the ring admits replacements from the main thread
+        ctx.dropped_at.append((new, time.perf_counter(), silent_s))
+        ctx.dropped = ctx.dropped + new
+        for r in new:
+            ctx.joining.pop(r, None)
+        store.set("lost", ",".join(map(str, ctx.dropped)))
+        write_note(ctx, ctx.dropped, "dropped")  # for the launcher, which kills those still running
     nodes = sorted({ctx.plan.procs[r].node + 1 for r in new})
     print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on without "
           f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)

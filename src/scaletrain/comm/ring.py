@@ -17,6 +17,16 @@ included), and those that were one collective behind take its result instead of
 redoing theirs. Every member that was at the front redoes its collective in the
 new group: the step in progress is not lost, only the lost replicas' share of it.
 
+A replacement (a process its launcher started for a dropped rank, cluster.replacements)
+joins at a step boundary: it asks in the store (`join/RANK`), the chief's heartbeat
+thread sees it (Context.joining), and the chief's next collective carries one more
+element that says so to every member. Before the collective after that one (every
+member has applied the result it was asked under: a step boundary) the chief lists the
+ranks admitted (`ring/admit/N`, N counting admissions, which with the dropped ranks
+names the groups' prefixes), every member and the replacement make the group that
+holds them all, and the chief sends its state to the replacement, which adopts it
+(weights, optimizer, images applied): it never reads a checkpoint.
+
 torchft (0.2.0) re-forms its groups the same way, a gloo group over a store prefix
 per quorum, but it is not used here: `import torchft` fails without its three
 opentelemetry packages (its otel.py imports them unconditionally), its quorum
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import os
 import threading
 import time
 from typing import Callable
@@ -42,9 +53,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..proc.env import LATE
 from .end import _main_store
 from .groups import Context
-from .liveness import HEARTBEAT_S, STALE_S
+from .liveness import HEARTBEAT_S, STALE_S, admit
 from .p2p import OPERATION_TIMEOUT
 
 
@@ -77,19 +89,25 @@ class Ring:
         self.losses: list[dict] = []
         self.buf: torch.Tensor | None = None
         self._failed: BaseException | None = None
-        self._make()
+        self.admits = 0  # the admissions so far (the chief's `ring/admit/N`): with the dropped ranks, the prefix
+        self.joins: list[dict] = []  # the chief: each admission, its ranks, when and how long it paused the ring
+        self._admitting: dict | None = None  # the last collective said to admit (the chief: whom), at the next
+        self.healed_s: dict = {}  # a replacement: how long it took to ask, to be admitted, to adopt (seconds)
+        if ctx.late:
+            self._join()
+        else:
+            self._make()
 
     @property
     def size(self) -> int:
         return len(self.members)
 
     def _dropped(self) -> set[int]:
-        """The ranks the chief dropped: as this process's heartbeat thread last read them, and as the store
-        says now (the thread reads it once a beat; the ring, waiting to re-form, sooner)."""
-        got = set(self.ctx.dropped)
-        if self.store.check(["lost"]):
-            got.update(int(r) for r in self.store.get("lost").decode().split(",") if r)
-        return got
+        """The ranks dropped now: the chief's own list (it writes the store's), or the store's, which the
+        heartbeat thread's copy follows a beat late (a rank admitted since may still be in that copy)."""
+        if self.ctx.is_chief:
+            return set(self.ctx.dropped)
+        return {int(r) for r in self.store.get("lost").decode().split(",") if r}
 
     def _finished(self, members: list[int]) -> bool:
         """Whether a member ended its part of the job (end.finish marks it done): it joins no group again."""
@@ -103,7 +121,7 @@ class Ring:
         while True:
             dropped = self._dropped()
             members = [r for r in self.workers if r not in dropped]
-            tag = ",".join(map(str, sorted(dropped & set(self.workers)))) or "-"
+            tag = f"{self.admits}:" + (",".join(map(str, sorted(dropped & set(self.workers)))) or "-")
             made: dict = {}
 
             def make(store=self.store.clone()) -> None:  # a client of its own: clients are not shared
@@ -133,22 +151,36 @@ class Ring:
         collective's small result (requests), kept for a member behind. False where this member was
         behind: it took the front member's state (adopt) and `t` holds that member's small result at its
         end; its own step is not to be applied. Raises Finished where the front ended the job meanwhile."""
+        n = t.numel()
+        if self._admitting is not None:
+            admitting, self._admitting = self._admitting, None
+            try:
+                self._admit(admitting)
+            except _Lost:  # a member lost while they admitted: the survivors re-form without it
+                self._leave()
+                self._reform()
         while True:
-            # gloo gets a buffer of the ring's: one a failed collective left may still be written by its thread
-            buf = self.buf = self.buf if self.buf is not None and self.buf.shape == t.shape and \
-                self.buf.dtype == t.dtype else torch.empty_like(t)
-            buf.copy_(t)
+            # gloo gets a buffer of the ring's: one a failed collective left may still be written by its thread.
+            # Its one more element: whether the chief admits replacements after this collective.
+            buf = self.buf = self.buf if self.buf is not None and self.buf.numel() == n + 1 and \
+                self.buf.dtype == t.dtype else torch.empty(n + 1, dtype=t.dtype, pin_memory=t.is_pinned())
+            buf[:n].copy_(t.reshape(-1))
+            admitting = dict(self.ctx.joining) if self.ctx.is_chief else {}
+            buf[n] = float(bool(admitting))
             try:
                 self._run(self.pg.allreduce, [buf], dist.AllreduceOptions(), reduceOp=op)
-                t.copy_(buf)
-                self.done += 1
-                self.last = t[t.numel() - small:].clone()
-                return True
             except _Lost:
                 self._leave(buf)
-            if not self._reform():
-                t[t.numel() - small:] = self.last
-                return False
+                if not self._reform():
+                    t[n - small:] = self.last
+                    return False
+                continue
+            t.copy_(buf[:n].view_as(t))
+            self.done += 1
+            self.last = t[n - small:].clone()
+            if buf[n] > 0:  # admitted before the next collective, once every member applied this one's result
+                self._admitting = admitting
+            return True
 
     def _run(self, call, tensors: list, opts, **fields) -> None:
         """A collective over the members, waited for as long as a healthy peer needs (an evaluation, a
@@ -160,7 +192,8 @@ class Ring:
         ended = threading.Event()
         work.get_future().add_done_callback(lambda _: ended.set())
         while not ended.wait(HEARTBEAT_S / 10):
-            if set(self.members) & set(self.ctx.dropped):
+            # The heartbeat thread's copy hints, the chief's list decides (a rank admitted since may linger there)
+            if set(self.members) & set(self.ctx.dropped) and set(self.members) & self._dropped():
                 raise _Lost
         try:
             work.wait()
@@ -212,13 +245,75 @@ class Ring:
         self.done = front
         return behind
 
+    def _admit(self, admitting: dict) -> None:
+        """After a collective that said so: the chief lists the replacements it admits (`admitting`: rank ->
+        the token each asked with), every member makes the group with them, and the chief sends them its
+        state (a replacement's side: _join)."""
+        started, n = time.perf_counter(), self.admits + 1
+        if self.ctx.is_chief:
+            ranks = sorted(admitting)
+            admit(self.ctx, ranks, self.store)  # no longer dropped: in the store's `lost` before the word below
+            for r in ranks:
+                self.store.set(f"ring/admitted/{admitting[r]}", str(n))
+            self.store.set(f"ring/admit/{n}", ",".join(map(str, ranks)))
+        else:
+            ranks = [int(r) for r in self._get(f"ring/admit/{n}").split(",")]
+        self._leave()
+        self.admits = n
+        self._make()
+        self._send_state(self.members.index(self.workers[0]), False)
+        if self.ctx.is_chief:
+            self.joins.append({"ranks": ranks, "tokens": [admitting[r] for r in ranks], "t": started,
+                               "pause_s": time.perf_counter() - started})
+
+    def joined(self, final: bool = False) -> list[dict]:
+        """The admissions so far (the chief), with what each replacement measured (final: read from the store)."""
+        out = []
+        for j in self.joins:
+            row = {k: v for k, v in j.items() if k != "tokens"}
+            for token in j["tokens"] if final else ():
+                if self.store.check([f"ring/healed/{token}"]):
+                    row.update(zip(("start_s", "wait_s", "adopt_s"),
+                                   map(float, self.store.get(f"ring/healed/{token}").decode().split(","))))
+            out.append(row)
+        return out
+
+    def _join(self) -> None:
+        """A replacement: ask the chief to be admitted, wait for it (the members train meanwhile), make the
+        group with them and adopt the chief's state."""
+        me = self.ctx.rank
+        token = f"{me}-{time.time_ns()}"
+        asked = time.perf_counter()
+        started = time.time() - float(os.environ.get(LATE) or time.time())  # the launcher's time of its start
+        self.store.set(f"join/{me}", token)
+        n = int(self._get(f"ring/admitted/{token}"))
+        admitted = time.perf_counter()
+        self.admits = n
+        self.ctx.admitted()  # from now on a drop of this rank is a drop, not the one it replaces
+        self._make()
+        self._send_state(self.members.index(self.workers[0]), True)
+        self.healed_s = {"start_s": started, "wait_s": admitted - asked, "adopt_s": time.perf_counter() - admitted}
+        self.store.set(f"ring/healed/{token}", ",".join(f"{v:.4f}" for v in self.healed_s.values()))
+
+    def _get(self, key: str) -> str:
+        """A key of the store, waited for as long as it takes (a member one collective behind; a replacement
+        while the chief trains), while this member is not dropped and the front not done."""
+        try:
+            while not self.store.check([key]):
+                if self._finished(self.workers):
+                    raise Finished
+                time.sleep(HEARTBEAT_S / 5)
+            return self.store.get(key).decode()
+        except (RuntimeError, OSError):  # the store closed: rank 0, which serves it, ended (or was lost, which
+            raise Finished from None    # its launcher tells) before this replacement was admitted
+
     def _send_state(self, root: int, behind: bool) -> None:
         """The front member `root`'s state, with its last small result, to every member; those behind take it."""
         me = self.members.index(self.ctx.rank)
         data = b""
         if me == root:
             buf = io.BytesIO()
-            torch.save({"state": self.state(), "last": self.last}, buf)
+            torch.save({"state": self.state(), "last": self.last, "done": self.done}, buf)
             data = buf.getvalue()
         size = torch.tensor([len(data)], dtype=torch.int64)
         self._run(self.pg.broadcast, [size], dist.BroadcastOptions(), rootRank=root, rootTensor=0)
@@ -228,4 +323,4 @@ class Ring:
         if behind:
             got = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu")  # adopt copies to the device
             self.adopt(got["state"])
-            self.last = got["last"]
+            self.last, self.done = got["last"], got["done"]

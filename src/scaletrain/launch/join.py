@@ -22,6 +22,7 @@ import torch
 from .. import stats
 from ..comm import end, groups, liveness
 from ..comm.groups import Context
+from ..comm.ring import Finished
 from ..device import facts
 from ..errors import EXIT_PEER, USER_ERRORS, ConfigError, PlanError, Stopped
 from ..metrics import start_up
@@ -102,6 +103,10 @@ def ending(ctx: Context, exc: BaseException | None) -> int:
         print(f"scaletrain: error: {ctx.describe(rank)}: {exc}", file=sys.stderr, flush=True)
         end.abort(ctx)
         return 2 if isinstance(exc, ConfigError) and not isinstance(exc, USER_ERRORS) else 1
+    if isinstance(exc, Finished):  # a replacement the job ended without admitting (comm/ring.py)
+        print(f"scaletrain: {ctx.describe(rank)}: the job reached its end before this replacement joined",
+              file=sys.stderr, flush=True)
+        return 0
     if isinstance(exc, KeyboardInterrupt):
         end.abort(ctx)
         return 130

@@ -21,7 +21,10 @@ stays a moment after it leaves, serving the store, and may be killed then).
 A worker node the job
 may go on without (strategies/traits.survivable) may end any way: the launcher waits
 for the chief's word (RUN_DIR/logs/dropped, see comm/liveness.py), kills what of
-it still runs, and the job's status is that of the others.
+it still runs, and the job's status is that of the others. With
+cluster.replacements it then starts a replacement of each dropped rank, which
+joins the running job with a live replica's state (comm/ring.py); it is not
+killed while the note still lists its rank, until the chief admits it.
 
 Signals: the job's stop signals and Ctrl-C are passed on to every process,
 which checkpoint at the next sync point and exit (errors.EXIT_STOPPED, or 130); a
@@ -52,7 +55,7 @@ from ..plan import Plan, node_name
 from ..strategies import traits
 from .. import twin as twins
 from ..proc import early
-from ..proc.env import LaunchError, plan_for, script_env
+from ..proc.env import LATE, LaunchError, plan_for, script_env
 from ..proc.parent import die_with_parent
 from .fork import Forked, Starter
 
@@ -174,14 +177,24 @@ def _start(cfg: Config, plan: Plan, addr: str, run_dir: Path, resume: bool, prog
                           SCALETRAIN_THREADS=str(max(threads, cfg.cluster.ps_threads) if p.role == "ps" else threads))}
              for p in plan.procs]
     say(f"starting {plan.world_size} processes", None)
-    starter = Starter(run_dir, common, partial(_child_setup, held, os.getpid()))
+    starters = [Starter(run_dir, common, partial(_child_setup, held, os.getpid()))]
+
+    def replace(rank: int, k: int) -> Forked:
+        """The k-th replacement of a dropped rank (cluster.replacements): it joins the running job and takes a
+        live replica's state (comm/ring.py). Its log beside the lost process's, which is kept."""
+        spec = dict(specs[rank], log=str(run_dir / "logs" / f"rank{rank}.{k}.log"),
+                    env=dict(specs[rank]["env"], **{LATE: str(time.time())}))
+        starters.append(Starter(run_dir, common, partial(_child_setup, held, os.getpid())))
+        return starters[-1].start([spec])[0]
+
     try:
-        procs = starter.start(specs)
+        procs = list(starters[0].start(specs))  # its own list: a replacement takes a place in this one
         say(f"{len(procs)}/{plan.world_size} processes up")
         return _watch(plan, procs, cfg.cluster.timeout_s + 5, run_dir, cfg.cluster.stopping,
-                      lambda lost: traits.survivable(cfg, plan, lost))
+                      lambda lost: traits.survivable(cfg, plan, lost), replace, cfg.cluster.replacements)
     finally:
-        starter.close()
+        for s in starters:
+            s.close()
 
 
 class _Forward:
@@ -212,8 +225,9 @@ class _Forward:
 
 
 def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_signals: tuple[str, ...],
-           survivable=lambda lost: False) -> int:
-    """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1."""
+           survivable=lambda lost: False, replace=None, replacements: int = 0) -> int:
+    """Wait for every process; returns 0, EXIT_STOPPED or 130 (stopped on request), else 1. replace(rank, k):
+    start the k-th replacement of a rank the chief dropped, up to `replacements` in all."""
     failed = left = None  # (rank, time): the first own failure; the first exit because of a peer
     frozen: list[int] = []
     spared: list[int] = []  # ended, in a node the job may go on without: the chief's to declare
@@ -221,6 +235,8 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
     leavers: set[int] = set()  # left because of a peer (EXIT_PEER): never the culprit while another is
     doubted: dict[int, float] = {}  # left naming peers that still run, not stopped: rank -> when; judged (_judge)
     cut = None  # (rank, what): the node the others could not reach, and it them
+    replaced: list[int] = []  # the ranks replaced, once per replacement
+    joining: set[int] = set()  # replaced, still listed dropped until the chief admits the replacement
 
     def kill(ranks) -> None:
         # Rank 0 stays a moment after it leaves (it serves the store): killed then, it did not fail.
@@ -233,13 +249,27 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
             running = any(p.poll() is None for p in procs)  # taken first: the last sweep sees every exit
             now = time.time()
             dropped = read_ranks(run_dir, "dropped")
-            kill(dropped)  # frozen, or woken too late: the job went on
+            joining &= set(dropped)  # admitted: a member again, which a later drop lists anew
+            kill([r for r in dropped if r not in joining])  # frozen, or woken too late: the job went on
+            for rank in dropped:  # dropped and ended (killed, or exited): replaced while the budget lasts
+                if rank not in joining and procs[rank].poll() is not None and len(replaced) < replacements and \
+                        not fwd.signal and failed is None and running:
+                    replaced.append(rank)
+                    killed.discard(rank)
+                    if rank in spared:
+                        spared.remove(rank)
+                        write_ranks(run_dir, "exited", spared)  # before it runs: the chief must not drop it again
+                    procs[rank] = replace(rank, replaced.count(rank))
+                    joining.add(rank)
+                    print(f"scaletrain: started a replacement for {plan.describe(rank)} "
+                          f"({len(replaced)}/{replacements}); it joins at a step boundary", file=sys.stderr,
+                          flush=True)
             for rank in dropped:  # the chief went on without it: its view of who was lost prevails
                 doubted.pop(rank, None)
             for rank, p in enumerate(procs):
                 rc = p.poll()
                 if rc in (None, 0, EXIT_STOPPED, 130) or fwd.killed or \
-                        rank in killed.union(frozen, dropped, spared, leavers, doubted):
+                        rank in killed.union(frozen, dropped, spared, leavers, doubted, joining):
                     continue
                 # A process that left naming a peer still running left because that one is frozen: so
                 # it did in a node the job could go on without too (a frozen chief, which serves the

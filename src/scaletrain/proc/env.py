@@ -33,6 +33,8 @@ from ..strategies.traits import entry
 
 RUN_DIR_ENV, RESUME_ENV = "SCALETRAIN_RUN_DIR", "SCALETRAIN_RESUME"  # script_env
 PLAN_NODE_ENV = "SCALETRAIN_PLAN_NODE"  # a user's script under torchrun: its agent's node in the plan
+# A replacement the local launcher started for a dropped rank (comm/ring.py): when it started it (time.time())
+LATE = "SCALETRAIN_REPLACES"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Rendezvous:
     port: int
     job: str       # the job's id: the store's keys live under it
     launcher: str  # "local" | "torchrun" | "slurm"
+    late: bool = False  # a replacement of a dropped rank, joining the running job (cluster.replacements)
 
 
 def plan_for(cfg, here: Facts | None = None, env=os.environ) -> Plan:
@@ -150,7 +153,7 @@ def rendezvous(plan: Plan, master_addr: str, master_port: int, node: int | None 
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     _check_world(plan, world, "WORLD_SIZE")
     return Rendezvous(rank, world, env.get("MASTER_ADDR", master_addr), _int(env, "MASTER_PORT"),
-                env.get("SCALETRAIN_JOB", "local"), "local")
+                      env.get("SCALETRAIN_JOB", "local"), "local", bool(env.get(LATE)))
 
 
 def _check_world(plan: Plan, world: int, what: str) -> None:

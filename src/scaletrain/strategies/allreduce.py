@@ -132,7 +132,9 @@ class AllReduce(Strategy):
         self.ddp: DistributedDataParallel | None = None
         self.flag = torch.zeros(1)  # the requests (liveness.CHECKPOINT | STOP), on the host: no device sync
         self.asking = None  # the flag's all-reduce in flight (its work, comm/p2p.py)
-        self.ring = Ring(self.ctx, self._state, self._adopt) if self.ctx.tolerant and self.group is not None else None
+        # A replacement (ctx.late) has no group: it joins the ring, and takes a member's state there
+        self.ring = Ring(self.ctx, self._state, self._adopt) \
+            if self.ctx.tolerant and (self.group is not None or self.ctx.late) else None
 
     def wrap(self) -> torch.nn.Module:
         if self.group is None or self.ring is not None:  # alone, or the ring averages in step()
@@ -225,6 +227,9 @@ class AllReduce(Strategy):
             return {}
         loss = self.ring.losses[min(k, len(self.ring.losses) - 1)]
         return {"steps_lost": int(loss["behind"]), "heal_s": round(loss["healed_s"], 3)}
+
+    def joined(self, final: bool = False) -> list[dict]:
+        return [] if self.ring is None else self.ring.joined(final)
 
     def agree_stop(self, stop: bool) -> bool:
         """Over the ring: whether the chief, which evaluated alone, stops."""

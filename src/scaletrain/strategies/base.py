@@ -118,6 +118,13 @@ class Strategy:
         re-formed."""
         return {}
 
+    def joined(self, final: bool = False) -> list[dict]:
+        """The replacements admitted so far (the chief; comm/ring.py), each {"ranks", "t" (perf_counter),
+        "pause_s" (the survivors' pause to admit and send the state)}; with final, also what each replacement
+        measured where it said so: "start_s" (its launch to its request to join), "wait_s" (to its
+        admission, at the survivors' next step), "adopt_s" (to the state adopted). Here none join."""
+        return []
+
     def set_stages(self, numels: list[list[int]]) -> None:
         """The parameter sizes of every pipeline stage of the replica (job.py), for a strategy whose state
         outside this process covers every stage's (the PS shards)."""

@@ -33,6 +33,8 @@ class Traits:
     # With cluster.survive_loss, the job goes on without a lost node too: all-reduce's group re-forms among the
     # survivors (comm/ring.py), sync's shards wait for the pushers left
     reforms: bool = False
+    # With cluster.replacements, a replacement for a dropped replica joins and takes a live one's state (the ring)
+    heals: bool = False
     resizable: bool = False  # every replica holds the one state: a resume may change the node count
     rounds: bool = False   # all-reduce rounds in the background; replicas never wait for them
     # Replicas step alone between meetings every strategy.sync_every steps, where they "average" their weights
@@ -53,7 +55,7 @@ PS_STAGES = "pipeline stages would each leave the shards' sync points at another
 LOCAL_STAGES = "average whole replicas' weights when they meet; a stage's share alone is not built"
 
 REGISTRY: dict[str, Traits] = {
-    "allreduce": Traits(uses_ps=False, resizable=True, reforms=True),
+    "allreduce": Traits(uses_ps=False, resizable=True, reforms=True, heals=True),
     "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
                               no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
                                         "each do by a different count"),
