@@ -217,6 +217,11 @@ class ClusterConfig:
                              "among the survivors (the learning rate follows the smaller batch by optim.scale_lr), "
                              "under sync the shards wait for the nodes left; the asynchronous modes and backup always "
                              "do; never without the chief's node (docs/fault-tolerance.md)")
+    after_loss: str = opt("scale-lr", "with survive_loss under allreduce, an update of fewer replicas: scale-lr (the "
+                          "learning rate follows the smaller batch by optim.scale_lr) | keep-batch (each replica "
+                          "left accumulates ceil(k N / n) micro-batches, so the global batch stays the recipe's "
+                          "where n divides k N; the rate follows it where it cannot)",
+                          choices=("scale-lr", "keep-batch"))
     replacements: int = opt(0, "with survive_loss under allreduce, the local launcher starts a replacement for a "
                             "dropped worker, which joins at a step boundary with a live replica's weights, optimizer "
                             "and data position (no checkpoint read), up to this many over the job (0..1000)",

@@ -100,6 +100,10 @@ def check_relations(cfg) -> None:
                           "train.emulate_compute_s > 0 (the step time of the GPU the twin stands for)")
     if c.survive_loss:
         _check_survive(cfg)
+    if c.after_loss != "scale-lr" and not (c.survive_loss and REGISTRY[cfg.strategy.name].heals):
+        able = ", ".join(n for n, t in REGISTRY.items() if t.heals)
+        raise ConfigError(f"cluster.after_loss = {c.after_loss!r}: acts where the replicas' group re-forms in place: "
+                          f"set cluster.survive_loss = true, with strategy {able}")
     if c.replacements and not (c.survive_loss and REGISTRY[cfg.strategy.name].heals):
         able = ", ".join(n for n, t in REGISTRY.items() if t.heals)
         raise ConfigError(f"cluster.replacements = {c.replacements}: a replacement joins a job that goes on in place "

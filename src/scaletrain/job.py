@@ -201,7 +201,10 @@ class Job:
             module.register_forward_pre_hook(self._forwarded)
         if self._calls_only:  # bf16, compile: in effect only where the loop calls this module
             module.register_forward_pre_hook(self._called)
-        if self._accum.k > 1:  # the micro-batches of an update add up their gradients: no zeroing between them
+        self._accum.k = self.strategy.accum  # a replacement's: those of the replica it took its state from
+        # The micro-batches of an update add up their gradients: no zeroing between them (after a loss too, where
+        # the replicas left accumulate more: cluster.after_loss)
+        if cfg.train.grad_accum_steps > 1 or cfg.cluster.after_loss == "keep-batch":
             hold_grads(lambda: self._accum.micro > 0, parts.optimizer, module, parts.net, parts.model,
                        self.strategy.model)
         self._module = module
@@ -311,6 +314,9 @@ class Job:
         if self.ema is not None and self.tick.images != before.images:  # an update applied (or pulled): no host sync
             self.ema.update()
         t.after_step(before, self.tick, loss, images, lr)
+        if self.strategy.accum != self._accum.k:  # the replicas left keep the global batch (cluster.after_loss)
+            self._accum.k = self.strategy.accum
+            t.accumulating(self.tick, self._accum.k, self.strategy.members)
         if self.tick.synced:
             self.tick = t.sync_point(self.tick)
 

@@ -128,6 +128,18 @@ class Tracker:
         if self.chief and every and self.clock.wall() - self.saved_at >= every:
             self.ctx.requests |= CHECKPOINT  # the strategy carries it to the next sync point
 
+    def accumulating(self, tick: Tick, k: int, n: int) -> None:
+        """Each of the n replicas' updates now take k micro-batches (cluster.after_loss = keep-batch): said by
+        the chief."""
+        if not self.chief:
+            return
+        b = self.cfg.data.batch_size
+        said = "the recipe's" if n * b * k == self.sched.step_images else \
+            f"against the recipe's {self.sched.step_images}; the learning rate follows it"
+        said = f"step {self.sched.step_of(tick.images)}: {n} replicas, {k} micro-batch{'es' * (k > 1)} of {b} " \
+               f"each: a global batch of {n * b * k} images, {said}"
+        self.bar.message(said) if self.bar.enabled else log.info("%s", said)
+
     def _note_joined(self, tick: Tick) -> None:
         """Record the replacements admitted since the last step (cluster.replacements): as of this step."""
         for j in self.strategy.joined()[len(self.joined):]:

@@ -339,6 +339,33 @@ def test_with_survive_loss_a_job_goes_on_in_place_without_a_lost_worker(tmp_path
     no_orphans(procs)
 
 
+def test_with_keep_batch_the_replicas_left_accumulate_more_and_the_global_batch_stays(tmp_path, env):
+    """cluster.after_loss = keep-batch: 3 replicas of 2 micro-batches lose one; the two left take 3 each, so an
+    update stays 192 images and the learning rate the recipe's."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, "strategy.name=allreduce", "cluster.nodes=3", "cluster.survive_loss=true",
+              "cluster.after_loss=keep-batch", "train.grad_accum_steps=2", "cluster.max_restarts=0", "train.steps=40",
+              "train.emulate_compute_s=0.05", "train.checkpoint_every=0", "optim.scale_lr=linear",
+              "optim.warmup_steps=0", "optim.schedule=constant")
+    procs = wait_training(p, run_dir, 3)
+    rank, pid = role_pid(run_dir, "worker", 2)
+    os.kill(pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    s = json.loads((run_dir / "summary.json").read_text())
+    (lost,) = s["lost_workers"]
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in r]
+    assert {r["lr"] for r in rows} == {0.05 * 192 / 256}, rows  # the recipe's batch, the recipe's rate
+    steps = [b["images"] - a["images"] for a, b in zip(rows, rows[1:])]
+    # Rows about 5 updates apart, each of 192 images before the loss and after; the one under way when it came was
+    # redone by the two with their 2 micro-batches (128 images)
+    assert sorted(d % 192 for d in steps) == [0] * (len(steps) - 1) + [128], steps
+    assert rows[-1]["images"] > lost["images"] + 960, (rows, lost)
+    assert "2 replicas, 3 micro-batches of 32 each: a global batch of 192 images, the recipe's" in out + err, out
+    assert s["images_applied"] >= 40 * 192
+    no_orphans(procs)
+
+
 def test_a_replacement_joins_in_place_of_a_killed_worker_with_a_live_replicas_state(tmp_path, env):
     """cluster.replacements: the launcher starts a replacement for the dropped worker, which joins at a step
     boundary with the chief's weights, optimizer and progress (tests/dist/test_ring.py checks them bit for

@@ -113,3 +113,7 @@ def test_replacements_need_a_job_that_heals_in_place():
                                               "strategy allreduce$"):
             build_config({"cluster": cluster, "strategy": {"name": strategy}})
     assert build_config({"cluster": {"nodes": 3, "replacements": 2, "survive_loss": True}}).cluster.replacements == 2
+    with pytest.raises(ConfigError, match="cluster.after_loss = 'keep-batch': acts where the replicas' group re-forms"):
+        build_config({"cluster": {"nodes": 3, "after_loss": "keep-batch"}})
+    with pytest.raises(ConfigError, match="cluster.after_loss"):
+        build_config({"cluster": {"nodes": 3, "survive_loss": True, "after_loss": "bigger"}})

@@ -197,26 +197,33 @@ class AllReduce(Strategy):
                 mean.div_(n)
             for g, v in zip(grads, _unflatten_dense_tensors(mean, grads)):
                 g.copy_(v)
-            images = n * replica_images(self.cfg)
+            images = n * self.cfg.data.batch_size * self.accum
             # The rate of an update of the survivors' images, by the recipe's rule, against the job's full one
             self.lr_scale = peak_lr(self.cfg.optim, images) / peak_lr(self.cfg.optim, self.schedule.step_images)
             self.set_lr(lr * self.lr_scale)
             self.optimizer.step()
             self.images += images
         # else: the front's update is this replica's now (Ring.adopt); its own gradient goes unused
+        self.accum, self.members = self._accum_for(n), n
         self.counters.steps += 1
         return Tick(self.images, bool(asked) or self.images >= self.schedule.next_point(before),
                     self.images >= self.schedule.target, asked)
 
+    def _accum_for(self, n: int) -> int:
+        """The micro-batches of each replica's next update in a ring of n: the recipe's, or under
+        cluster.after_loss = keep-batch as many more as keep the global batch (at least it)."""
+        k = self.cfg.train.grad_accum_steps
+        return -(-k * self.world // n) if self.cfg.cluster.after_loss == "keep-batch" else k
+
     def _state(self) -> dict:
-        """What this replica holds, for one that was behind when the ring re-formed (Ring.adopt)."""
+        """What this replica holds, for one that was behind when the ring re-formed, or a replacement (Ring.adopt)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "images": self.images,
-                "lr_scale": self.lr_scale}
+                "lr_scale": self.lr_scale, "accum": self.accum}
 
     def _adopt(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.images, self.lr_scale = state["images"], state["lr_scale"]
+        self.images, self.lr_scale, self.accum = state["images"], state["lr_scale"], state["accum"]
 
     def healed(self, k: int) -> dict | None:
         if self.ring is None:

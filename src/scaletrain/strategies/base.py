@@ -71,6 +71,10 @@ class Strategy:
         self._buffers: dict[str, torch.Tensor] = {}
         self.counters = Counters(self.params[0].device)
         self.images = 0  # where every replica applies every update: the job's progress
+        # The micro-batches of this replica's next update: train.grad_accum_steps, or more where the replicas
+        # left keep the global batch (cluster.after_loss = keep-batch, allreduce.py); job.py reads it
+        self.accum = cfg.train.grad_accum_steps
+        self.members = ctx.plan.replicas  # the replicas an update averages now (fewer after a loss: allreduce.py)
         self.wire = WIRE[cfg.strategy.compression]  # the type gradients and values travel in between nodes
         # The gradient noise scale's sums, where backward averages over a group of replicas (noise.py)
         self.noise: NoiseScale | None = None
