@@ -292,13 +292,14 @@ def _read_joins(ctx, store) -> None:
                 ctx.joining[r] = token
 
 
-def admit(ctx, ranks: list[int], store) -> None:
-    """The chief: `ranks` (replacements) are members again, no longer dropped, in the store's `lost` and the
-    launcher's note. `store`: the calling thread's client."""
+def admit(ctx, tokens: dict, store) -> None:
+    """The chief: the replacements `tokens` names (rank -> the token it asked with) are members again, no
+    longer dropped, in the store's `lost` and the launcher's note. `store`: the calling thread's client."""
     with ctx.lock:
-        ctx.dropped = [r for r in ctx.dropped if r not in ranks]
-        for r in ranks:
-            ctx.admitted_tokens.add(ctx.joining.pop(r))
+        ctx.dropped = [r for r in ctx.dropped if r not in tokens]
+        for r, token in tokens.items():
+            ctx.joining.pop(r, None)
+            ctx.admitted_tokens.add(token)
         store.set("lost", ",".join(map(str, ctx.dropped)))
         write_note(ctx, ctx.dropped, "dropped")
 

@@ -252,7 +252,7 @@ class Ring:
         started, n = time.perf_counter(), self.admits + 1
         if self.ctx.is_chief:
             ranks = sorted(admitting)
-            admit(self.ctx, ranks, self.store)  # no longer dropped: in the store's `lost` before the word below
+            admit(self.ctx, admitting, self.store)  # no longer dropped: in the store's `lost` before the word below
             for r in ranks:
                 self.store.set(f"ring/admitted/{admitting[r]}", str(n))
             self.store.set(f"ring/admit/{n}", ",".join(map(str, ranks)))

@@ -41,6 +41,10 @@ def join(cfg, run_dir: Path, progress: bool, node: int | None = None) -> Context
         print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     rank = rdzv.rank
+    if rank == 0 and cfg.cluster.replacements and rdzv.launcher != "local":
+        print(f"scaletrain: warning: cluster.replacements = {cfg.cluster.replacements}: only the local launcher starts "
+              f"replacements; under {rdzv.launcher} the job goes on without a lost node to its end", file=sys.stderr,
+              flush=True)
     try:
         if plan.procs[rank].role == "worker":  # its GPUs, on this host (a PS uses none: its host may have none)
             plan = launch_env.plan_for(cfg, facts())
