@@ -197,7 +197,9 @@ class Emulated:
     same every step on every replica (drawn once from train.seed), so all strategies and runs agree.
     With train.grad_accum_steps = k each micro-batch adds it, as a backward would, k sleeps an update."""
 
-    def __init__(self, cfg, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, cfg, model: torch.nn.Module, device: torch.device, first=None) -> None:
+        """first(): whether the micro-batch under way is its update's first (job.Job.first_micro: their count
+        changes after a loss under cluster.after_loss = keep-batch); None: every train.grad_accum_steps-th."""
         # the twin's time dilation (twin/dilation.py): the cluster's step, k times longer
         self.seconds = cfg.train.emulate_compute_s * cfg.cluster.time_scale
         self.images, self.device = cfg.data.batch_size, device
@@ -207,7 +209,7 @@ class Emulated:
         self.grads = [(torch.randn(p.shape, generator=gen, dtype=p.dtype) * EMULATED_SCALE).to(device)
                       for p in self.params]
         self.loss = torch.tensor(float("nan"), device=device)
-        self.accum, self.calls = cfg.train.grad_accum_steps, 0
+        self.accum, self.calls, self.first = cfg.train.grad_accum_steps, 0, first
 
     def __call__(self, batch: None) -> tuple[torch.Tensor, int]:
         # Host-device sync: the previous step's all-reduce and optimizer, still queued on a GPU, finish
@@ -216,7 +218,8 @@ class Emulated:
         # host waits for them once a step, as a real step's first kernels would.
         metrics.sync(self.device)
         time.sleep(self.seconds)  # the GPU's forward and backward; the host is free meanwhile
-        first = self.calls % self.accum == 0  # an update's first micro-batch: no gradient to add to
+        # an update's first micro-batch: no gradient to add to
+        first = self.first() if self.first else self.calls % self.accum == 0
         self.calls += 1
         for p, g in zip(self.params, self.grads):
             if p.grad is None:

@@ -257,6 +257,12 @@ class Job:
             del loader  # stops its worker processes
 
     @property
+    def first_micro(self) -> bool:
+        """Whether the batch under way is its update's first micro-batch (train.grad_accum_steps; more after a
+        loss under cluster.after_loss = keep-batch)."""
+        return self._accum.micro == 0
+
+    @property
     def stages(self) -> int:
         """The pipeline stages a replica is split into (parallel.stages): above 1, a loop's forward and backward
         are job.forward_backward's."""

@@ -28,7 +28,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     with Job(cfg, run_dir, resume, progress, ctx) as job:
         forward, opt = job.wrap(build_model(cfg.model))
         if cfg.train.emulate_compute_s:  # an emulated GPU: no data read, a fixed gradient (compute.py)
-            compute = Emulated(cfg, job.strategy.model, job.device)
+            compute = Emulated(cfg, job.strategy.model, job.device, lambda: job.first_micro)
         elif job.pipeline:  # the replica's stages: the pipeline schedule's forwards and backwards
             compute = lambda batch: (job.forward_backward(*batch), len(batch[1]))  # noqa: E731
         else:

@@ -28,8 +28,9 @@ MEMBER = textwrap.dedent("""
     rank, port, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, datetime.timedelta(seconds=30))
-    if rank == 0:
+    if rank == 0:  # the job's view as liveness.join starts it
         store.set("lost", "")
+        store.set("admits", "0")
     plan = make_plan(ClusterConfig(nodes=3), ps_required=False)
     ctx = Context(plan, plan.procs[rank], 5.0, store=store)
     weights = torch.full((1000,), float(rank))  # what a member holds: a front member's goes to those behind
@@ -137,8 +138,9 @@ REPLICA = textwrap.dedent("""
     rank, port, late = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "late"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 3, rank == 0 and not late, datetime.timedelta(seconds=30))
-    if rank == 0:
+    if rank == 0 and not late:  # the job's view as liveness.join starts it
         store.set("lost", "")
+        store.set("admits", "0")
     plan = make_plan(ClusterConfig(nodes=3), ps_required=False)
     ctx = Context(plan, plan.procs[rank], 5.0, store=store, late=late, member_since=math.inf if late else 0.0)
     # One seed for the replicas, another for the replacement: what it holds once it joined is what it took
@@ -164,7 +166,7 @@ REPLICA = textwrap.dedent("""
                 _read_joins(ctx, own)
                 time.sleep(0.1)
         else:
-            while not own.check(["ring/admit/1"]):  # liveness._read_dropped: the store's `lost` a beat later
+            while own.get("admits") != b"1":  # liveness._read_dropped: the store's `lost` a beat later
                 time.sleep(0.1)
             ctx.dropped = []
 
@@ -180,11 +182,12 @@ REPLICA = textwrap.dedent("""
             os._exit(9)
         g = torch.sin(weights * (ring.done + 1))  # a gradient of the weights held
         before = ring.done
-        ring.allreduce(g)  # the replacement is admitted at the start of one, once it asked
+        ring.boundary()  # as AllReduce._ring_step: a replacement the last collective admitted joins here
+        ring.allreduce(g)
         moment.mul_(0.9).add_(g / ring.size)
         weights.sub_(0.01 * moment)
         steps += 1
-        if joined_at is None and ring.admits == 1:
+        if joined_at is None and ring.view[0] == 1:
             joined_at = before
         time.sleep(0.05)
     print(json.dumps({"sha": hashlib.sha256(weights.numpy().tobytes()).hexdigest(), "done": ring.done,

@@ -373,7 +373,7 @@ def test_a_replacement_joins_in_place_of_a_killed_worker_with_a_live_replicas_st
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=allreduce", "cluster.nodes=3", "cluster.survive_loss=true",
               "cluster.replacements=1", "cluster.max_restarts=0", "train.steps=150", "train.emulate_compute_s=0.1",
-              "train.checkpoint_every=0")
+              "train.checkpoint_every=10")  # sync points, where the ring's other collective (agree_stop) runs
     procs = wait_training(p, run_dir, 3)
     rank, pid = role_pid(run_dir, "worker", 2)
     os.kill(pid, signal.SIGKILL)

@@ -83,6 +83,7 @@ class Context:
     late: bool = False
     member_since: float = 0.0  # monotonic time from which a `lost` that lists this rank means it was dropped
     joining: dict = field(default_factory=dict)  # the chief: dropped rank -> its replacement's token, to admit
+    admits: int = 0  # the chief: the admissions it committed (comm/ring.py's view, with `dropped`)
     admitted_tokens: set = field(default_factory=set)  # the chief: the replacements admitted so far
     lock: threading.Lock = field(default_factory=threading.Lock)  # dropped and joining: two threads change them
     joined: float = field(default_factory=time.time)  # when this process joined its job (wall clock)

@@ -82,6 +82,7 @@ def join(store, rank: int):
         store.add("failed", 0)
         store.set("stop", "0")
         store.set("lost", "")
+        store.set("admits", "0")  # with `lost`, the view every group of comm/ring.py is made of
     return fork_beat(store, rank)
 
 
@@ -284,12 +285,14 @@ def _read_dropped(ctx, lost: bytes, live: _Liveness, read_at: float) -> None:
 
 
 def _read_joins(ctx, store) -> None:
-    """The chief: the dropped ranks whose replacement asked to join (comm/ring.py), for its next collective."""
+    """The chief: the dropped ranks whose replacement asked to join (comm/ring.py), for its next collective;
+    the newest one's token where one asked again."""
     for r in ctx.dropped:
-        if r not in ctx.joining and store.check([f"join/{r}"]):
+        if store.check([f"join/{r}"]):
             token = store.get(f"join/{r}").decode()
-            if token not in ctx.admitted_tokens:
-                ctx.joining[r] = token
+            with ctx.lock:
+                if token not in ctx.admitted_tokens and r in ctx.dropped:
+                    ctx.joining[r] = token
 
 
 def admit(ctx, tokens: dict, store) -> None:
@@ -297,10 +300,11 @@ def admit(ctx, tokens: dict, store) -> None:
     longer dropped, in the store's `lost` and the launcher's note. `store`: the calling thread's client."""
     with ctx.lock:
         ctx.dropped = [r for r in ctx.dropped if r not in tokens]
+        ctx.admits += 1
         for r, token in tokens.items():
             ctx.joining.pop(r, None)
             ctx.admitted_tokens.add(token)
-        store.set("lost", ",".join(map(str, ctx.dropped)))
+        store.multi_set(["lost", "admits"], [",".join(map(str, ctx.dropped)), str(ctx.admits)])  # one view
         write_note(ctx, ctx.dropped, "dropped")
 
 
@@ -366,9 +370,12 @@ def write_note(ctx, ranks: list[int], name: str = "") -> None:
 
 
 def note_ranks(path: str, ranks: list[int]) -> None:
+    """The note replaced whole: the launcher, reading it meanwhile, never sees half of it (an empty list)."""
+    part = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.part")
     try:
-        with open(path, "w") as fh:
+        with open(part, "w") as fh:
             fh.write(",".join(map(str, ranks)) + "\n")
+        os.replace(part, path)
     except OSError:
         pass
 

@@ -20,12 +20,15 @@ new group: the step in progress is not lost, only the lost replicas' share of it
 A replacement (a process its launcher started for a dropped rank, cluster.replacements)
 joins at a step boundary: it asks in the store (`join/RANK`), the chief's heartbeat
 thread sees it (Context.joining), and the chief's next collective carries one more
-element that says so to every member. Before the collective after that one (every
-member has applied the result it was asked under: a step boundary) the chief lists the
-ranks admitted (`ring/admit/N`, N counting admissions, which with the dropped ranks
-names the groups' prefixes), every member and the replacement make the group that
-holds them all, and the chief sends its state to the replacement, which adopts it
-(weights, optimizer, images applied): it never reads a checkpoint.
+element that says so to every member. At the next step boundary (`boundary`: every
+member applied that collective's update) the chief commits the admission
+(liveness.admit: the store's `admits` and `lost` in one write, its view), and every
+member and the replacement make the group of that view and agree where they stand,
+as after a loss: the replacement enters a collective behind everyone, so the front's
+lowest member sends it its state (weights, optimizer, images applied): it never reads
+a checkpoint. Every group is made of a view the chief committed, and its making starts
+over whenever the view changes: a member that lost the flagged collective to a killed
+peer, and one that finished it, meet in the same group whatever came first.
 
 torchft (0.2.0) re-forms its groups the same way, a gloo group over a store prefix
 per quorum, but it is not used here: `import torchft` fails without its three
@@ -89,9 +92,10 @@ class Ring:
         self.losses: list[dict] = []
         self.buf: torch.Tensor | None = None
         self._failed: BaseException | None = None
-        self.admits = 0  # the admissions so far (the chief's `ring/admit/N`): with the dropped ranks, the prefix
+        self.view: tuple = ()  # (admissions, dropped ranks) the group was made of: its prefix
         self.joins: list[dict] = []  # the chief: each admission, its ranks, when and how long it paused the ring
-        self._admitting: dict | None = None  # the last collective said to admit (the chief: whom), at the next
+        self._flagged: dict = {}  # the chief: the replacements its last collective said it admits (rank -> token)
+        self._admitted = False  # the last collective said so: regroup at the next step boundary
         self.healed_s: dict = {}  # a replacement: how long it took to ask, to be admitted, to adopt (seconds)
         if ctx.late:
             self._join()
@@ -102,12 +106,17 @@ class Ring:
     def size(self) -> int:
         return len(self.members)
 
-    def _dropped(self) -> set[int]:
-        """The ranks dropped now: the chief's own list (it writes the store's), or the store's, which the
-        heartbeat thread's copy follows a beat late (a rank admitted since may still be in that copy)."""
+    def _view(self) -> tuple[int, set[int]]:
+        """The admissions so far and the ranks dropped, as the chief committed them: its own (it writes the
+        store's), or the store's, in one read (the heartbeat thread's copy follows it a beat late)."""
         if self.ctx.is_chief:
-            return set(self.ctx.dropped)
-        return {int(r) for r in self.store.get("lost").decode().split(",") if r}
+            with self.ctx.lock:
+                return self.ctx.admits, set(self.ctx.dropped)
+        admits, lost = self.store.multi_get(["admits", "lost"])
+        return int(admits), {int(r) for r in lost.decode().split(",") if r}
+
+    def _dropped(self) -> set[int]:
+        return self._view()[1]
 
     def _finished(self, members: list[int]) -> bool:
         """Whether a member ended its part of the job (end.finish marks it done): it joins no group again."""
@@ -119,9 +128,10 @@ class Ring:
         chief may be evaluating alone); made on a thread of its own, it is left for a new group once a
         member is dropped meanwhile."""
         while True:
-            dropped = self._dropped()
+            view = self._view()
+            admits, dropped = view
             members = [r for r in self.workers if r not in dropped]
-            tag = f"{self.admits}:" + (",".join(map(str, sorted(dropped & set(self.workers)))) or "-")
+            tag = f"{admits}:" + (",".join(map(str, sorted(dropped & set(self.workers)))) or "-")
             made: dict = {}
 
             def make(store=self.store.clone()) -> None:  # a client of its own: clients are not shared
@@ -136,12 +146,12 @@ class Ring:
             maker.start()
             while maker.is_alive():
                 maker.join(HEARTBEAT_S / 5)
-                if maker.is_alive() and self._dropped() - dropped:
-                    break  # a member lost while the group was made: a group without it
+                if maker.is_alive() and self._view() != view:
+                    break  # a member lost, or one admitted, while the group was made: the group of the new view
                 if maker.is_alive() and self._finished(members):
                     raise Finished
             if "pg" in made:
-                self.members, self.pg = members, made["pg"]
+                self.members, self.pg, self.view = members, made["pg"], view
                 return
             if "error" in made:
                 raise made["error"]
@@ -152,21 +162,16 @@ class Ring:
         behind: it took the front member's state (adopt) and `t` holds that member's small result at its
         end; its own step is not to be applied. Raises Finished where the front ended the job meanwhile."""
         n = t.numel()
-        if self._admitting is not None:
-            admitting, self._admitting = self._admitting, None
-            try:
-                self._admit(admitting)
-            except _Lost:  # a member lost while they admitted: the survivors re-form without it
-                self._leave()
-                self._reform()
+        if self.ctx.is_chief and self.ctx.joining and not self._admitted:
+            self._flagged = dict(self.ctx.joining)
+        flag = float(bool(self._flagged))
         while True:
             # gloo gets a buffer of the ring's: one a failed collective left may still be written by its thread.
             # Its one more element: whether the chief admits replacements after this collective.
             buf = self.buf = self.buf if self.buf is not None and self.buf.numel() == n + 1 and \
                 self.buf.dtype == t.dtype else torch.empty(n + 1, dtype=t.dtype, pin_memory=t.is_pinned())
             buf[:n].copy_(t.reshape(-1))
-            admitting = dict(self.ctx.joining) if self.ctx.is_chief else {}
-            buf[n] = float(bool(admitting))
+            buf[n], flag = flag, 0.0  # redone after a loss: the group made since holds the view committed then
             try:
                 self._run(self.pg.allreduce, [buf], dist.AllreduceOptions(), reduceOp=op)
             except _Lost:
@@ -178,8 +183,8 @@ class Ring:
             t.copy_(buf[:n].view_as(t))
             self.done += 1
             self.last = t[n - small:].clone()
-            if buf[n] > 0:  # admitted before the next collective, once every member applied this one's result
-                self._admitting = admitting
+            if buf[n] > 0:  # admitted at the next step boundary, once every member applied this one's update
+                self._admitted = True
             return True
 
     def _run(self, call, tensors: list, opts, **fields) -> None:
@@ -221,15 +226,21 @@ class Ring:
                     raise self._failed or RuntimeError("the replicas' all-reduce failed")
                 time.sleep(HEARTBEAT_S / 10)
             declared = time.perf_counter()
-            self._make()
-            try:
-                behind = self._agree()
-                break
-            except _Lost:  # another member lost while they agreed: again, without it
-                self._leave()
+            behind = not self._regroup()
+            break
         self.losses.append({"declared_s": declared - started, "healed_s": time.perf_counter() - declared,
                             "behind": behind})
         return not behind
+
+    def _regroup(self) -> bool:
+        """Make the group of the view the chief committed and agree where its members stand; False where
+        this member was behind (it adopted the front's state)."""
+        while True:
+            self._make()
+            try:
+                return not self._agree()
+            except _Lost:  # another member lost while they agreed: again, without it
+                self._leave()
 
     def _agree(self) -> bool:
         """Where the members stand: whether this one is a collective behind the front, whose lowest member
@@ -245,25 +256,31 @@ class Ring:
         self.done = front
         return behind
 
-    def _admit(self, admitting: dict) -> None:
-        """After a collective that said so: the chief lists the replacements it admits (`admitting`: rank ->
-        the token each asked with), every member makes the group with them, and the chief sends them its
-        state (a replacement's side: _join)."""
-        started, n = time.perf_counter(), self.admits + 1
+    def boundary(self) -> None:
+        """At a step boundary (before this step's collective), after a collective that said the chief admits
+        replacements: the chief commits them, and every member makes the group of the view committed, the
+        replacement with them, which takes the front's state (its side: _join). A member waits for the view
+        to move from its group's: the chief commits it, or, where the chief lost that collective to a killed
+        peer, the chief's drop of that peer does."""
+        if not self._admitted:
+            return
+        self._admitted, started = False, time.perf_counter()
         if self.ctx.is_chief:
-            ranks = sorted(admitting)
-            admit(self.ctx, admitting, self.store)  # no longer dropped: in the store's `lost` before the word below
-            for r in ranks:
-                self.store.set(f"ring/admitted/{admitting[r]}", str(n))
-            self.store.set(f"ring/admit/{n}", ",".join(map(str, ranks)))
+            tokens = {r: self.ctx.joining.get(r, token) for r, token in self._flagged.items()}  # the newest asked
+            self._flagged = {}
+            admit(self.ctx, tokens, self.store)
+            for token in tokens.values():
+                self.store.set(f"ring/admitted/{token}", "1")
         else:
-            ranks = [int(r) for r in self._get(f"ring/admit/{n}").split(",")]
-        self._leave()
-        self.admits = n
-        self._make()
-        self._send_state(self.members.index(self.workers[0]), False)
+            while self._view() == self.view:
+                if self._finished(self.workers):
+                    raise Finished
+                time.sleep(HEARTBEAT_S / 10)
+        old = self.pg
+        self._regroup()
+        del old  # every collective of it ended: released, no peer to wait for
         if self.ctx.is_chief:
-            self.joins.append({"ranks": ranks, "tokens": [admitting[r] for r in ranks], "t": started,
+            self.joins.append({"ranks": sorted(tokens), "tokens": list(tokens.values()), "t": started,
                                "pause_s": time.perf_counter() - started})
 
     def joined(self, final: bool = False) -> list[dict]:
@@ -286,12 +303,11 @@ class Ring:
         asked = time.perf_counter()
         started = time.time() - float(os.environ.get(LATE) or time.time())  # the launcher's time of its start
         self.store.set(f"join/{me}", token)
-        n = int(self._get(f"ring/admitted/{token}"))
+        self._get(f"ring/admitted/{token}")
         admitted = time.perf_counter()
-        self.admits = n
         self.ctx.admitted()  # from now on a drop of this rank is a drop, not the one it replaces
-        self._make()
-        self._send_state(self.members.index(self.workers[0]), True)
+        self.done = -1  # behind every member: the front sends its state (_agree)
+        self._regroup()
         self.healed_s = {"start_s": started, "wait_s": admitted - asked, "adopt_s": time.perf_counter() - admitted}
         self.store.set(f"ring/healed/{token}", ",".join(f"{v:.4f}" for v in self.healed_s.values()))
 

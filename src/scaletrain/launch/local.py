@@ -250,9 +250,13 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
             now = time.time()
             dropped = read_ranks(run_dir, "dropped")
             joining &= set(dropped)  # admitted: a member again, which a later drop lists anew
+            for rank in [r for r in joining if procs[r].poll() is not None]:  # ended before it joined
+                joining.discard(rank)
+                print(f"scaletrain: the replacement for {plan.describe(rank)} ended before it joined "
+                      f"({describe_exit(plan, rank, procs[rank].poll()).split(') ', 1)[1]})", file=sys.stderr, flush=True)
             kill([r for r in dropped if r not in joining])  # frozen, or woken too late: the job went on
             for rank in dropped:  # dropped and ended (killed, or exited): replaced while the budget lasts
-                if rank not in joining and procs[rank].poll() is not None and len(replaced) < replacements and \
+                if rank not in joining and procs[rank].poll() not in (None, 0) and len(replaced) < replacements and \
                         not fwd.signal and failed is None and running:
                     replaced.append(rank)
                     killed.discard(rank)

@@ -175,13 +175,14 @@ class AllReduce(Strategy):
         dev = grads[0].device  # gloo's collective runs on the host: pinned memory, one copy each way
         flat = self.buffer("ring", self.numel + 2, self.wire or torch.float32, torch.device("cpu"),
                            pin=dev.type == "cuda")
-        n0, mine = self.ring.size, torch.cat([g.reshape(-1) for g in grads])
+        mine = torch.cat([g.reshape(-1) for g in grads])
         if self.wire:  # summed in a half type: the parts of the mean, not of the sum, so it stays in range
-            mine.div_(n0)
+            mine.div_(self.world)  # one divisor for every member, whoever joined or left since
         flat[:-2].copy_(mine)  # on a GPU a host-device sync, every step
         flat[-2:] = torch.tensor([float(bool(r & CHECKPOINT)), float(bool(r & STOP))])
         try:
             with self.counters.timed("comm_s"):
+                self.ring.boundary()  # replacements the last collective admitted join here, before this one
                 applied = self.ring.allreduce(flat, small=2)
         except Finished:  # the others reached the job's target a step ahead of this replica: it ends too
             return Tick(self.images, True, True)
@@ -192,7 +193,7 @@ class AllReduce(Strategy):
             mean = flat[:-2].to(dev, torch.float32)  # on a GPU one copy to it; on the host, flat itself
             # Divided by the members the sum ended with: the ring may have lost some meanwhile
             if self.wire:
-                mean.mul_(n0 / n)
+                mean.mul_(self.world / n)
             else:
                 mean.div_(n)
             for g, v in zip(grads, _unflatten_dense_tensors(mean, grads)):
@@ -203,8 +204,9 @@ class AllReduce(Strategy):
             self.set_lr(lr * self.lr_scale)
             self.optimizer.step()
             self.images += images
+            self.accum = self._accum_for(n)  # a member behind took the front's (adopt)
         # else: the front's update is this replica's now (Ring.adopt); its own gradient goes unused
-        self.accum, self.members = self._accum_for(n), n
+        self.members = n
         self.counters.steps += 1
         return Tick(self.images, bool(asked) or self.images >= self.schedule.next_point(before),
                     self.images >= self.schedule.target, asked)
