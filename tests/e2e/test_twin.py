@@ -12,6 +12,8 @@ import pytest
 
 from conftest import RECIPES, ROOT, scaletrain_cmd
 
+from scaletrain.twin.selftest import FRAMING, TOLERANCE
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="the twin needs root and iproute2")
 
 JOB = ["cluster.network=netns", "cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync", "data.workers=0",
@@ -49,7 +51,10 @@ def test_a_two_node_job_runs_in_two_namespaces_on_links_at_the_set_rate(tmp_path
     for twin, rate in ((fast_twin, 1.0), (slow_twin, 0.1)):
         # node 1 -> 2 and 2 -> 1 at once, each a link's rate of payload but its frames' headers and the other's acks
         assert twin["self_test"]["pairs"] == [[1, 2], [2, 1]] and twin["self_test"]["set_gbps"] == [rate, rate]
-        assert twin["self_test"]["measured_gbps"] == [pytest.approx(rate, rel=0.1)] * 2
+        # The twin's own bound (twin/selftest.py): the payload a link of the set rate carries, its frames'
+        # headers aside, at least TOLERANCE of it; never more than the rate
+        assert twin["self_test"]["of_payload_rate"] >= TOLERANCE, twin["self_test"]
+        assert all(rate * FRAMING * TOLERANCE <= g <= rate * 1.02 for g in twin["self_test"]["measured_gbps"]), twin
     assert fast["twin"]["time_scale"] == 1.0
     # ~1.1 MB each way a step: ~10 ms at 1 Gbit/s, ~90 ms at 0.1 Gbit/s
     assert slow["time_split_s"]["comm_s"] > 3 * fast["time_split_s"]["comm_s"]
