@@ -25,7 +25,7 @@ from .twin.dilation import cluster_figures
 HIST_BINS = 64  # the histograms' bins (staleness, gradients per update): 0..62, the last holds 63 and above
 FIELDS = ("is_ps", "node", "computed", "own_s", "bytes_sent", "bytes_recv", "intra_bytes", "steps",
           "compute_s", "intra_s", "comm_s", "dropped", "applied", "stale_max", "shard_bytes", "pusher",
-          "stopped_at", "stage", "busy_s", "pipe_s", "act_sent", "peak_mem")
+          "stopped_at", "stage", "busy_s", "pipe_s", "act_sent", "peak_mem", "weights_sum")
 
 
 def pack(world_size: int, **values) -> torch.Tensor:
@@ -136,6 +136,8 @@ def summarize(rows: list[dict], nodes: int) -> dict:
     out["per_worker"] = [{"rank": w["rank"], "node": int(w["node"]), "steps": int(w["steps"]),
                           "computed_images_per_sec": w["computed"] / w["own_s"] if w["own_s"] > 0 else 0.0,
                           "stopped_at_images": int(w["stopped_at"]),
+                          # the float64 sum of its parameters at its end: one figure where replicas hold one model
+                          "weights_sum": w["weights_sum"],
                           **({"staleness_mean": w["staleness_mean"]} if "staleness_mean" in w else {})}
                          for w in workers]
     return out

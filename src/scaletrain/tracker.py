@@ -317,7 +317,7 @@ class Tracker:
         mine = dict(node=self.ctx.me.node, computed=self.computed, own_s=self.clock.t, bytes_sent=c.bytes_sent,
                     bytes_recv=c.bytes_recv, intra_bytes=c.intra_bytes, steps=c.steps,
                     compute_s=self.compute_time.seconds(), intra_s=c.intra_s, comm_s=c.comm_s, pusher=self.strategy.pusher, stopped_at=tick.images,
-                    peak_mem=self.peak,
+                    peak_mem=self.peak, weights_sum=sum(float(q.detach().double().sum()) for q in self.strategy.params),
                     **self.strategy.figures(), **(self.pipeline.figures() if self.pipeline else {}))
         job = stats.job_figures(self.ctx, mine) if self.ctx.distributed else stats.single_figures(mine)
         if self.chief:  # declared after the last step

@@ -392,6 +392,39 @@ def test_a_replacement_joins_in_place_of_a_killed_worker_with_a_live_replicas_st
     no_orphans(procs)
 
 
+@pytest.mark.parametrize("strategy,replace,every,points", [("local-sgd", 0, 4, 10), ("diloco", 1, 8, 0)])
+def test_local_steps_go_on_without_a_killed_replica_and_take_in_its_replacement(tmp_path, env, strategy, replace,
+                                                                                every, points):
+    """local-sgd and diloco with survive_loss: the two left meet over the ring and reach the target (with sync
+    points every 10 steps, where the ring's other collective runs); with a replacement it joins with the anchor,
+    the outer momentum and the progress of a live replica, so every replica ends the job holding the same
+    weights, bit for bit (the last meeting averages changes from each one's own anchor: one anchor apart,
+    they would end apart; without sync points, where a join waits out a checkpoint, it joins between meetings
+    7 times in 8)."""
+    run_dir = tmp_path / "run"
+    p = start(run_dir, env, f"strategy.name={strategy}", f"strategy.sync_every={every}", "cluster.nodes=3",
+              "cluster.survive_loss=true", f"cluster.replacements={replace}", "cluster.max_restarts=0",
+              "train.steps=120", "train.emulate_compute_s=0.1", f"train.checkpoint_every={points}")
+    procs = wait_training(p, run_dir, 3)
+    rank, pid = role_pid(run_dir, "worker", 2)
+    os.kill(pid, signal.SIGKILL)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "the job goes on without node 3" in err, err
+    s = json.loads((run_dir / "summary.json").read_text())
+    (lost,) = s["lost_workers"]
+    print(lost, s.get("joined_workers"), s["per_worker"])
+    assert lost["nodes"] == [3] and lost["steps_lost"] <= 1 and lost["heal_s"] < 5, lost
+    assert s["images_applied"] >= 120 * 3 * 32, s
+    ends = s["per_worker"]
+    assert [w["node"] for w in ends] == ([0, 1, 2] if replace else [0, 1]), ends
+    assert len({w["weights_sum"] for w in ends}) == 1, ends
+    if replace:
+        (joined,) = s["joined_workers"]
+        assert joined["ranks"] == [rank] and joined["images"] > lost["images"], joined
+    no_orphans(procs)
+
+
 def test_a_frozen_worker_of_an_asynchronous_job_is_dropped_and_killed(tmp_path, env):
     run_dir = tmp_path / "run"
     p = start(run_dir, env, "strategy.name=async", "cluster.nodes=3", "cluster.num_ps=1", "train.steps=100")

@@ -95,7 +95,7 @@ def test_cli_exits_2_with_one_line_before_work(tmp_path, override, env):
 
 
 def test_survive_loss_is_refused_where_it_cannot_act():
-    for sets, said in (({"strategy": {"name": "local-sgd"}}, "strategy local-sgd cannot go on without a lost node"),
+    for sets, said in (({"strategy": {"name": "async-allreduce"}}, "strategy async-allreduce cannot go on without a lost node"),
                        ({"cluster": {"nodes": 1}}, "a job of one node has no node to go on without"),
                        ({"parallel": {"stages": 2}, "cluster": {"gpus_per_node": 2}}, "parallel.stages = 2")):
         cfg = {"cluster": {"nodes": 3, "survive_loss": True}}
@@ -110,7 +110,7 @@ def test_replacements_need_a_job_that_heals_in_place():
     for cluster, strategy in (({"nodes": 3, "replacements": 2}, "allreduce"),
                               ({"nodes": 3, "replacements": 2, "survive_loss": True, "num_ps": 1}, "sync")):
         with pytest.raises(ConfigError, match="cluster.replacements = 2: .* set cluster.survive_loss = true, with "
-                                              "strategy allreduce$"):
+                                              "strategy allreduce, local-sgd, diloco$"):
             build_config({"cluster": cluster, "strategy": {"name": strategy}})
     assert build_config({"cluster": {"nodes": 3, "replacements": 2, "survive_loss": True}}).cluster.replacements == 2
     with pytest.raises(ConfigError, match="cluster.after_loss = 'keep-batch': acts where the replicas' group re-forms"):

@@ -59,8 +59,8 @@ REGISTRY: dict[str, Traits] = {
     "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
                               no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
                                         "each do by a different count"),
-    "local-sgd": Traits(uses_ps=False, local="average", no_stages=LOCAL_STAGES),
-    "diloco": Traits(uses_ps=False, local="outer", no_stages=LOCAL_STAGES),
+    "local-sgd": Traits(uses_ps=False, local="average", reforms=True, heals=True, no_stages=LOCAL_STAGES),
+    "diloco": Traits(uses_ps=False, local="outer", reforms=True, heals=True, no_stages=LOCAL_STAGES),
     "sync": Traits(uses_ps=True, server="sync", reforms=True),
     "backup": Traits(uses_ps=True, server="sync", backups=True, survives_loss=True,
                      no_stages="would each drop another node's gradient as the late one"),
