@@ -213,8 +213,9 @@ class ClusterConfig:
     max_restarts: int = opt(0, "restart a failed job from its newest complete checkpoint up to this many times "
                             "(local launcher and Slurm job step; 0..1000)", lo=0, hi=1000)
     survive_loss: bool = opt(False, "a lost worker node (killed, frozen, cut off) is dropped within timeout_s and the "
-                             "job goes on without it, no restart: under allreduce the replicas' group re-forms "
-                             "among the survivors (the learning rate follows the smaller batch by optim.scale_lr), "
+                             "job goes on without it, no restart: under allreduce, local-sgd and diloco the replicas' "
+                             "group re-forms among the survivors (under allreduce the learning rate follows the "
+                             "smaller batch by optim.scale_lr), "
                              "under sync the shards wait for the nodes left; the asynchronous modes and backup always "
                              "do; never without the chief's node (docs/fault-tolerance.md)")
     after_loss: str = opt("scale-lr", "with survive_loss under allreduce, an update of fewer replicas: scale-lr (the "
@@ -222,7 +223,8 @@ class ClusterConfig:
                           "left accumulates ceil(k N / n) micro-batches, so the global batch stays the recipe's "
                           "where n divides k N; the rate follows it where it cannot)",
                           choices=("scale-lr", "keep-batch"))
-    replacements: int = opt(0, "with survive_loss under allreduce, the local launcher starts a replacement for a "
+    replacements: int = opt(0, "with survive_loss under allreduce, local-sgd or diloco, the local launcher starts a "
+                            "replacement for a "
                             "dropped worker, which joins at a step boundary with a live replica's weights, optimizer "
                             "and data position (no checkpoint read), up to this many over the job (0..1000)",
                             lo=0, hi=1000)
