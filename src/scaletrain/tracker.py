@@ -160,8 +160,13 @@ class Tracker:
             lost = lost_nodes(self.ctx.plan, ranks)  # nodes numbered from 1, as the messages number them
             self.lost.append({**lost, "wall": round(t - self.clock.t0, 3), "detect_s": round(silent, 2),
                               "images": tick.images, "step": self.sched.step_of(tick.images), **(healed or {})})
-            left = self.ctx.plan.worker_nodes - len({n for x in self.lost for n in x["nodes"]})
-            self.bar.message(f"step {self.sched.step_of(tick.images)}: lost node {', '.join(map(str, lost['nodes']))}; "
+            step = self.sched.step_of(tick.images)
+            if "shard" in (healed or {}):  # a PS shard, which another took on (ps_client.py)
+                self.bar.message(f"step {step}: lost PS shard {healed['shard']}; {self.ctx.describe(healed['taken_on_by'])}"
+                                 f" took it on at version {healed['version']}")
+                continue
+            left = self.ctx.plan.worker_nodes - len({n for x in self.lost if "shard" not in x for n in x["nodes"]})
+            self.bar.message(f"step {step}: lost node {', '.join(map(str, lost['nodes']))}; "
                              f"going on with {left} worker nodes")
 
     def epoch(self, images: int) -> float:

@@ -321,9 +321,12 @@ def _declare(ctx, store, gone: list[int], what: str, silent_s: float) -> None:
             ctx.joining.pop(r, None)
         store.set("lost", ",".join(map(str, ctx.dropped)))
         write_note(ctx, ctx.dropped, "dropped")  # for the launcher, which kills those still running
-    nodes = sorted({ctx.plan.procs[r].node + 1 for r in new})
-    print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on without "
-          f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}", file=sys.stderr, flush=True)
+    nodes = sorted({ctx.plan.procs[r].node + 1 for r in new if ctx.plan.procs[r].role == "worker"})
+    shards = [ctx.plan.procs[r].index for r in new if ctx.plan.procs[r].role == "ps"]
+    going = ([f"without node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}"] if nodes else []) + \
+        ([f"with PS shard{'s' * (len(shards) > 1)} {', '.join(map(str, shards))} taken on by another"] if shards else [])
+    print(f"scaletrain: warning: {', '.join(ctx.describe(r) for r in gone)} {what}; the job goes on "
+          f"{' and '.join(going)}", file=sys.stderr, flush=True)
 
 
 def _share_stop(ctx, store, asked: int) -> None:

@@ -284,7 +284,8 @@ def _watch(plan: Plan, procs: list[Forked], grace: float, run_dir: Path, stop_si
                     spared.append(rank)
                     write_ranks(run_dir, "exited", spared)  # the chief drops them at once (comm/liveness.py)
                     print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job may go on without "
-                          f"{node_name(plan.procs[rank].node)}", file=sys.stderr, flush=True)
+                          f"{'it' if plan.procs[rank].role == 'ps' else node_name(plan.procs[rank].node)}",
+                          file=sys.stderr, flush=True)
                 elif rc == EXIT_PEER and failed is None and not frozen and cut is None and \
                         (doubted or named and not _stopped(procs, named)):
                     doubted[rank] = now  # cut off from them, or they from the job: the others' view tells

@@ -62,7 +62,7 @@ from ..comm.liveness import HEARTBEAT_S, STALE_S
 from ..data import build_datasets
 from ..errors import CheckpointError
 from ..models import build_model
-from ..optim import compensate, lr_at, staleness_scale
+from ..optim import compensate, lr_at, staleness_scale, state_keys
 from ..schedule import Schedule
 from ..stats import HIST_BINS
 from ..strategies import traits
@@ -77,9 +77,12 @@ FLYING = 4  # gradients a shard receives at once: memory of FLYING gradients of 
 
 class Shard:
     def __init__(self, cfg, index: int, pushers: list[int], mode: str, wait_for: int, schedule: Schedule,
-                 push_images: int, update_images: int, ctx=None, starts: list[int] | None = None) -> None:
+                 push_images: int, update_images: int, ctx=None, starts: list[int] | None = None,
+                 tags: P.Tags = P.Tags(), run_dir: Path | None = None) -> None:
         """starts: with pipeline stages, the first layer of each (pipeline.py): this shard holds a part of
-        stage index mod parallel.stages's parameters, shared out among that stage's shards."""
+        stage index mod parallel.stages's parameters, shared out among that stage's shards. tags: its
+        messages' (a shard taken on for a lost one has its own, protocol.tags). run_dir: the job's, whose
+        checkpoints hold the state a shard taken on starts from."""
         torch.manual_seed(cfg.train.seed)  # the workers' initial model, bit for bit
         model = build_model(cfg.model)
         params = list(model.parameters() if starts is None else
@@ -91,6 +94,9 @@ class Shard:
         self.pieces = pieces(self.layout.shards[shards.index(index)], [tuple(p.shape) for p in params])
         self.optimizer = ShardOptimizer(cfg, self.values, self.pieces)
         self.cfg, self.index, self.mode, self.wait_for, self.schedule = cfg, index, mode, wait_for, schedule
+        self.tags, self.run_dir = tags, run_dir
+        self.taken: list[tuple[Shard, threading.Thread]] = []  # shards taken on for lost ones (REBUILD)
+        self.rebuilt: dict = {}  # a shard taken on: the version it was rebuilt at, and from which checkpoint
         self.push_images, self.update_images = push_images, update_images
         self.pushers, self.active, self.lost, self.ctx = list(pushers), set(pushers), set(), ctx
         self.chief = pushers[0]  # the chief's node pusher: the sync of a point ends when it is back
@@ -133,7 +139,7 @@ class Shard:
 
     def serve(self) -> None:
         failures = 0
-        hdr = self._watch(p2p.irecv(self.hdr, tag=P.TAG_HDR))  # from any pusher
+        hdr = self._watch(p2p.irecv(self.hdr, tag=self.tags.hdr))  # from any pusher
         while self.active:
             work, err = self.done_q.get()  # untimed: a pusher's life is the heartbeats' to judge
             if work is not hdr:
@@ -143,11 +149,11 @@ class Shard:
                 failures += 1
                 if failures > 3 or not self._gone(None, err):
                     raise err
-                hdr = self._watch(p2p.irecv(self.hdr, tag=P.TAG_HDR))
+                hdr = self._watch(p2p.irecv(self.hdr, tag=self.tags.hdr))
                 continue
             failures = 0
             src, (version, command, flag) = p2p.source(work), self.hdr.tolist()
-            hdr = self._watch(p2p.irecv(self.hdr, tag=P.TAG_HDR))  # the next message's, from now on
+            hdr = self._watch(p2p.irecv(self.hdr, tag=self.tags.hdr))  # the next message's, from now on
             self.bytes_recv += P.HEADER * 8
             if command == P.LOST:
                 self._drop(version)
@@ -161,6 +167,8 @@ class Shard:
                 self._release()
             elif command == P.SNAPSHOT:
                 self._send_state(src)
+            elif command == P.REBUILD:
+                self._take_on(src, version, flag)
             elif command == P.PULL:  # another shard announced a point: answer once this one is there too
                 if self.syncing or self.done:
                     self._reply([src])
@@ -190,7 +198,7 @@ class Shard:
             self.queued.append((src, version, requests))
             return
         buf = self.spare.pop() if self.spare else torch.empty(self.values.shape, dtype=self.inbox)
-        work = self._watch(p2p.irecv(buf, src=src, tag=P.TAG_VALS))  # gloo's threads receive it from now on
+        work = self._watch(p2p.irecv(buf, src=src, tag=self.tags.vals))  # gloo's threads receive it from now on
         self.flying[src] = (version, requests, buf, work)
 
     def _received(self, work, err) -> None:
@@ -327,8 +335,8 @@ class Shard:
 
         def answer(dst: int) -> None:
             # The pusher posted its receives before pushing, so these do not wait on it.
-            p2p.send(hdr, dst=dst, tag=P.TAG_REPLY_HDR)
-            p2p.send(vals, dst=dst, tag=P.TAG_REPLY_VALS)
+            p2p.send(hdr, dst=dst, tag=self.tags.reply_hdr)
+            p2p.send(vals, dst=dst, tag=self.tags.reply_vals)
 
         for dst in dsts:
             if dst not in self.lost and self._talk(dst, lambda: answer(dst)):
@@ -359,9 +367,47 @@ class Shard:
     def _send_state(self, dst: int) -> None:
         # Checkpoint traffic: not counted in the per-step bytes.
         tensors = self.state()
-        p2p.send(P.header(self.version, len(tensors) - 1, self.images), dst=dst, tag=P.TAG_SNAP)
+        p2p.send(P.header(self.version, len(tensors) - 1, self.images), dst=dst, tag=self.tags.snap)
         for t in tensors:
-            p2p.send(t, dst=dst, tag=P.TAG_SNAP)
+            p2p.send(t, dst=dst, tag=self.tags.snap)
+
+    def _take_on(self, src: int, version: int, k: int) -> None:
+        """REBUILD: serve lost shard k too, from the values `src` holds of it (the newest any pusher holds),
+        at their version, with the optimizer state of k the newest checkpoint saved; on a thread of its own,
+        with k's tags (protocol.py)."""
+        images = torch.zeros(1, dtype=torch.int64)
+        p2p.recv(images, src=src, tag=P.TAG_REBUILD)
+        shard = Shard(self.cfg, k, self.pushers, self.mode, self.wait_for, self.schedule, self.push_images,
+                      self.update_images, self.ctx, tags=P.tags(k), run_dir=self.run_dir)
+        values = torch.empty(shard.values.shape)
+        p2p.recv(values, src=src, tag=P.TAG_REBUILD)
+        shard.rebuild(values, version, int(images), self.lost)
+        thread = threading.Thread(target=shard.serve, name=f"ps-shard-{k}", daemon=True)
+        thread.start()
+        self.taken.append((shard, thread))
+        # The version whose optimizer state it starts from (-1: none): the updates since are lost; an optimizer
+        # without state (sgd without momentum) loses none
+        saved = shard.rebuilt["checkpoint_version"] if state_keys(self.cfg.optim) else version
+        p2p.send(P.header(saved, P.REBUILD, k), dst=src, tag=P.TAG_REBUILD)
+        at = shard.rebuilt["checkpoint_step"]
+        log.warning("PS shard %d: took on lost shard %d at version %d, its optimizer state %s", self.index, k, version,
+                    "(none)" if not state_keys(self.cfg.optim) else "fresh (no checkpoint)" if at is None else
+                    f"of the checkpoint of step {at}")
+
+    def rebuild(self, values: torch.Tensor, version: int, images: int, lost: set) -> None:
+        """Start as lost shard `index` from a pusher's values of it at `version` (the job's `images` then),
+        with its optimizer state of the newest checkpoint that holds it (none: fresh), without the pushers lost."""
+        with torch.no_grad():
+            self.values.copy_(values)
+        for w in self.sent.values():
+            w.copy_(values)
+        self.version, self.images = version, images
+        self.lost, self.active = set(lost), self.active - set(lost)
+        saved, step = _saved_shard(self.run_dir, self.index, self.values.numel())
+        if saved is not None and saved["optimizer"]:
+            self.optimizer.load(saved["optimizer"], self.version)
+        self.rebuilt = {"version": version, "checkpoint_step": step,
+                        "checkpoint_version": saved["version"] if saved is not None else -1}
 
     def load(self, saved: dict) -> None:
         """Continue from a snapshot of this shard (see PSClient.snapshot)."""
@@ -377,6 +423,32 @@ class Shard:
         if saved["optimizer"]:
             self.optimizer.load(saved["optimizer"], self.version)
         self.images = saved.get("images", self.version * self.update_images)  # older checkpoints: derived
+
+
+def _saved_shard(run_dir: Path | None, k: int, numel: int) -> tuple[dict | None, int | None]:
+    """Shard k's state in the newest checkpoint of the run that holds it, and that checkpoint's step; read
+    as it is (a checkpoint being written is not complete yet: list_complete leaves it out)."""
+    for step, path in reversed(checkpoint.list_complete(run_dir / "checkpoints") if run_dir else []):
+        try:
+            shards = checkpoint.read(path).get("ps") or []
+        except CheckpointError:
+            continue
+        if k < len(shards) and shards[k]["values"].numel() == numel:
+            return shards[k], step
+    return None, None
+
+
+def _figures(shards: list[Shard]) -> dict:
+    """The figures of the shards one process served (its own, and those it took on), summed."""
+    hist, by_sender = sum(s.hist for s in shards), {}
+    for s in shards:
+        for r, (total, n) in s.by_sender.items():
+            by_sender[r] = [by_sender.get(r, [0, 0])[0] + total, by_sender.get(r, [0, 0])[1] + n]
+    return dict(steps=sum(s.applied for s in shards), applied=sum(s.applied for s in shards),
+                bytes_sent=sum(s.bytes_sent for s in shards), bytes_recv=sum(s.bytes_recv for s in shards),
+                dropped=sum(s.dropped for s in shards), stale_max=max(s.stale_max for s in shards),
+                shard_bytes=sum(s.values.numel() * s.values.element_size() for s in shards),
+                hist=hist, by_sender=by_sender)
 
 
 def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
@@ -395,7 +467,7 @@ def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
         train_images = len(build_datasets(cfg, check=False)[0])  # its files: the workers' to read
     shard = Shard(cfg, ctx.me.index, pushers, e.server, traits.wait_for(cfg, len(pushers)),
                   schedule.from_config(cfg, train_images), traits.push_images(cfg),
-                  traits.images_per_update(cfg), ctx, starts)
+                  traits.images_per_update(cfg), ctx, starts, run_dir=run_dir)
     if found is not None:  # the workers load the same file and check its config
         state, path = found
         shards = state.get("ps") or []
@@ -405,8 +477,7 @@ def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
         shard.load(shards[ctx.me.index])
         log.info("PS shard %d resumed from %s at version %d", ctx.me.index, path, shard.version)
     shard.serve()
-    return dict(is_ps=1, node=ctx.me.node, pusher=0, steps=shard.applied, applied=shard.applied,
-                bytes_sent=shard.bytes_sent, bytes_recv=shard.bytes_recv, dropped=shard.dropped,
-                stale_max=shard.stale_max, shard_bytes=shard.values.numel() * shard.values.element_size(),
-                hist=shard.hist, by_sender=shard.by_sender,
+    for _, thread in shard.taken:  # until their pushers have stopped too
+        thread.join()
+    return dict(is_ps=1, node=ctx.me.node, pusher=0, **_figures([shard] + [s for s, _ in shard.taken]),
                 stopped=shard.stopped, step=shard.schedule.step_of(shard.images))

@@ -12,16 +12,32 @@ tells every shard (LOST, `_announce`): the message that wakes a shard waiting
 for nobody but the lost. It is a second thread sending to the shards beside
 the main one; gloo's pairs take sends from several threads, and the shard
 tells the messages apart by their command.
+
+A lost PS shard (cluster.survive_loss): every pusher's exchange with it fails
+(a killed shard closes its connections; a frozen one is killed by its launcher
+once dropped), and once the chief has declared it lost each pusher says in the
+store which version of the shard's values it holds (`ps/K/RANK/held/...`). The
+chief picks the newest holder and a live shard to take it on; the holder sends
+that shard its values (REBUILD), which it serves from then on beside its own,
+with the optimizer state of the newest checkpoint; every pusher then sends shard
+K's messages there, on K's own tags, and redoes the exchange that failed. No
+update's values are lost: the newest holder has every update the shard
+answered, and a push it had not answered is sent again. What is lost is the
+optimizer state's updates since the checkpoint (momentum, RMSProp's squares),
+counted as `updates_lost`.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
 from ..comm import p2p
-from ..comm.liveness import CHECKPOINT, STOP
+from ..comm.end import _main_store
+from ..comm.liveness import CHECKPOINT, HEARTBEAT_S, STALE_S, STOP
 from ..errors import CheckpointError
 from ..optim import state_keys
 from ..ps import protocol as P
@@ -29,7 +45,7 @@ from ..ps.sharding import gather, make_layout, scatter_
 from ..noise import NoiseScale
 from .allreduce import average_, count_ring, data_parallel
 from .base import Strategy, Tick
-from .traits import replica_images, stage_shards
+from .traits import pushers, replica_images, stage_shards
 
 
 class PSClient(Strategy):
@@ -44,6 +60,10 @@ class PSClient(Strategy):
         self.shards = stage_shards(cfg, ctx.me.stage)
         self.layout = make_layout([p.numel() for p in self.params], len(self.shards), cfg.cluster.sharding)
         self.servers = [ctx.plan.ps[k].rank for k in self.shards]
+        self.tags = [P.Tags() for _ in self.servers]  # a shard's messages' tags (another's, once it took it on)
+        self.shard_images = [0] * len(self.servers)  # the job's images as each shard last reported them
+        self.rebuilds: list[dict] = []  # the chief: each lost shard taken on, for lost_workers
+        self._abandoned: list = []  # buffers of receives from a lost shard: never reused
         self.stage_numels: list[list[int]] | None = None  # every stage's parameter sizes (set_stages)
         self.versions = [0] * len(self.servers)
         self.on_gpu = self.params[0].device.type == "cuda"  # messages go through host buffers (gloo)
@@ -54,10 +74,12 @@ class PSClient(Strategy):
 
     def _announce(self, ranks: list[int]) -> None:
         """The chief's heartbeat thread: tell the shards to go on without these pushers."""
-        for server in self.servers:
+        for server, tags in zip(self.servers, self.tags):
             for r in ranks:
+                if server in ranks or r not in pushers(self.cfg, self.ctx.plan):
+                    continue
                 try:
-                    self._told.append(dist.isend(P.header(r, P.LOST), dst=server, tag=P.TAG_HDR))
+                    self._told.append(dist.isend(P.header(r, P.LOST), dst=server, tag=tags.hdr))
                 except RuntimeError:  # that shard is gone: the heartbeats end the job
                     pass
 
@@ -117,32 +139,107 @@ class PSClient(Strategy):
 
     def _exchange(self, msgs: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         """Send (shard, header, payload) messages and receive each shard's reply into the
-        parameters; returns the reply headers. Payloads and replies are host tensors (gloo)."""
-        replies, works = [], []
+        parameters; returns the reply headers. Payloads and replies are host tensors (gloo). A shard
+        lost meanwhile is taken on by another (the module doc), and its exchange redone there."""
+        replies, works, failed = [], {}, {}
         for k, hdr_out, payload in msgs:
-            server = self.servers[k]
+            server, tags = self.servers[k], self.tags[k]
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
             vals = self.buffer(f"reply {k}", self.layout.numel(k), self.wire or torch.float32, torch.device("cpu"),
                                pin=self.on_gpu)
-            # Post the receives first: the server answers as soon as it has applied.
-            works += [dist.irecv(hdr, src=server, tag=P.TAG_REPLY_HDR),
-                      dist.irecv(vals, src=server, tag=P.TAG_REPLY_VALS)]
             replies.append((k, hdr, vals))
-            works.append(dist.isend(hdr_out, dst=server, tag=P.TAG_HDR))
-            self.counters.bytes_sent += P.HEADER * 8
-            if payload is not None:
-                works.append(dist.isend(payload, dst=server, tag=P.TAG_VALS))
-                self.counters.bytes_sent += payload.numel() * payload.element_size()
-        for w in works:
-            p2p.wait(w)  # point-to-point; returns when the shard has answered (liveness is the heartbeats')
+            try:  # (a lost shard's connection, once closed, fails them as they are posted)
+                # Post the receives first: the server answers as soon as it has applied.
+                works[k] = [dist.irecv(hdr, src=server, tag=tags.reply_hdr),
+                            dist.irecv(vals, src=server, tag=tags.reply_vals),
+                            dist.isend(hdr_out, dst=server, tag=tags.hdr)]
+                if payload is not None:
+                    works[k].append(dist.isend(payload, dst=server, tag=tags.vals))
+            except RuntimeError as e:
+                failed[k] = e
+            self.counters.bytes_sent += P.HEADER * 8 + (payload.numel() * payload.element_size() if payload is not None
+                                                        else 0)
+        for k, ws in works.items():
+            try:
+                for w in ws:
+                    p2p.wait(w)  # point-to-point; returns when the shard has answered (liveness is the heartbeats')
+            except RuntimeError as e:
+                failed[k] = e
+        lost = []
+        for k, e in failed.items():
+            if not self._taken_on(k, e):
+                raise e
+            lost.append(k)
+        out = {}
         for k, hdr, vals in replies:
-            self.versions[k] = int(hdr[0])
+            if k in lost:  # gloo may hold the buffer yet: never reused
+                self._abandoned.append(self._buffers.pop(f"reply {k}"))
+                continue
+            out[k] = hdr
+            self.versions[k], self.shard_images[k] = int(hdr[0]), int(hdr[2])
             self.counters.bytes_recv += P.HEADER * 8 + vals.numel() * vals.element_size()
             if self.on_gpu:  # one host-to-device copy a shard, queued; the scatter follows it on the device
                 vals = self.buffer(f"reply {k} on device", vals.numel(), vals.dtype, self.params[0].device) \
                     .copy_(vals, non_blocking=True)
             scatter_(self.params, self.layout.shards[k], vals)
-        return [hdr for _, hdr, _ in replies]
+        for k, hdr_out, payload in msgs:
+            if k in lost:  # again, to the shard that took it on
+                out[k] = self._exchange([(k, hdr_out, payload)])[0]
+        return [out[k] for k, _, _ in msgs]
+
+    def _taken_on(self, k: int, err: RuntimeError) -> bool:
+        """Shard k's exchange failed: where its server was lost and the job goes on (cluster.survive_loss),
+        once another shard has taken k on (the module doc), True, and k's messages go there from now on."""
+        dead, ctx = self.servers[k], self.ctx
+        if not self.cfg.cluster.survive_loss:
+            return False
+        failed_at, deadline = time.perf_counter(), time.monotonic() + ctx.timeout_s + 2 * STALE_S + 10
+        while dead not in ctx.dropped:  # the chief's word decides (the heartbeats bound it)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(HEARTBEAT_S / 5)
+        store, key = _main_store(ctx), f"ps/{k}/{dead}"
+        store.set(f"{key}/held/{ctx.rank}", f"{self.versions[k]},{self.shard_images[k]}")
+        if ctx.is_chief:
+            self._plan_rebuild(store, key, dead)
+        src, adopter = map(int, self._wait_key(store, f"{key}/plan").split(","))
+        if src == ctx.rank:  # the newest values are this pusher's: it sends them
+            values = gather(self.params, self.layout.shards[k], torch.empty(self.layout.numel(k)))
+            p2p.send(P.header(self.versions[k], P.REBUILD, k), dst=adopter, tag=P.TAG_HDR)
+            p2p.send(torch.tensor([self.shard_images[k]], dtype=torch.int64), dst=adopter, tag=P.TAG_REBUILD)
+            p2p.send(values, dst=adopter, tag=P.TAG_REBUILD)
+            ack = torch.zeros(P.HEADER, dtype=torch.int64)
+            p2p.recv(ack, src=adopter, tag=P.TAG_REBUILD)
+            store.set(f"{key}/at", f"{self.versions[k]},{int(ack[0])}")
+        version, saved = map(int, self._wait_key(store, f"{key}/at").split(","))
+        self.servers[k], self.tags[k] = adopter, P.tags(k)
+        if ctx.is_chief:
+            self.rebuilds.append({"ranks": [dead], "shard": k, "taken_on_by": adopter, "version": version,
+                                  "updates_lost": version - saved if saved >= 0 else version,
+                                  "heal_s": round(time.perf_counter() - failed_at, 3)})
+        return True
+
+    def _plan_rebuild(self, store, key: str, dead: int) -> None:
+        """The chief: once every live pusher said which version it holds (or a bound passed), the newest
+        holder and the live shard that takes the lost one on (the next in shard order)."""
+        deadline = time.monotonic() + self.ctx.timeout_s + 10
+        while True:
+            live = [r for r in pushers(self.cfg, self.ctx.plan) if r not in self.ctx.dropped]
+            held = {r: int(store.get(f"{key}/held/{r}").decode().split(",")[0])
+                    for r in live if store.check([f"{key}/held/{r}"])}
+            if len(held) == len(live) or time.monotonic() > deadline:
+                break
+            time.sleep(HEARTBEAT_S / 5)
+        src = min(held, key=lambda r: (-held[r], r))
+        ranks = [p.rank for p in self.ctx.plan.ps]
+        at = ranks.index(dead)
+        adopter = next(r for r in ranks[at + 1:] + ranks[:at] if r not in self.ctx.dropped)
+        store.set(f"{key}/plan", f"{src},{adopter}")
+
+    def _wait_key(self, store, key: str) -> str:
+        while not store.check([key]):
+            time.sleep(HEARTBEAT_S / 5)
+        return store.get(key).decode()
 
     def _push_pull(self, grads: list[torch.Tensor]) -> tuple[int, int]:
         """Push to every shard; returns (images applied, flags). When some shard announced a
@@ -180,13 +277,15 @@ class PSClient(Strategy):
         the point's values, which every worker has too."""
         keys, shards = state_keys(self.cfg.optim), []
         for k, numel in enumerate(self._shard_numels()):  # every shard, of every stage
-            server = self.ctx.plan.ps[k].rank
+            # with stages, this stage's shards are some of them (never taken on: survive_loss refuses stages)
+            server, tags = (self.servers[k], self.tags[k]) if self.stage_numels is None else \
+                (self.ctx.plan.ps[k].rank, P.Tags())
             hdr = torch.zeros(P.HEADER, dtype=torch.int64)
-            p2p.send(P.header(0, P.SNAPSHOT), dst=server, tag=P.TAG_HDR)
-            p2p.recv(hdr, src=server, tag=P.TAG_SNAP)
+            p2p.send(P.header(0, P.SNAPSHOT), dst=server, tag=tags.hdr)
+            p2p.recv(hdr, src=server, tag=tags.snap)
             tensors = [torch.empty(numel) for _ in range(1 + int(hdr[1]))]
             for t in tensors:
-                p2p.recv(t, src=server, tag=P.TAG_SNAP)
+                p2p.recv(t, src=server, tag=tags.snap)
             shards.append({"version": int(hdr[0]), "images": int(hdr[2]), "values": tensors[0],
                            "optimizer": dict(zip(keys, tensors[1:]))})
         return {"ps": shards}
@@ -218,5 +317,16 @@ class PSClient(Strategy):
 
     def finish(self, stopped: int = 0) -> None:
         if self.pusher:
-            for server in self.servers:
-                p2p.send(P.header(0, P.STOP, stopped), dst=server, tag=P.TAG_HDR)
+            for server, tags in zip(self.servers, self.tags):
+                if server not in self.ctx.dropped:  # (a shard lost as the job ended, never taken on)
+                    p2p.send(P.header(0, P.STOP, stopped), dst=server, tag=tags.hdr)
+
+    def healed(self, k: int) -> dict | None:
+        """The k-th loss: a lost shard's, once taken on (the chief's record: where, at which version, the
+        optimizer state's updates lost, seconds from its failed exchange to the exchange redone); {} for
+        pushers, which the shards go on without."""
+        ranks = self.ctx.dropped_at[k][0]
+        if all(self.ctx.plan.procs[r].role != "ps" for r in ranks):
+            return {}
+        done = [b for b in self.rebuilds if b["ranks"][0] in ranks]
+        return {key: v for b in done for key, v in b.items() if key != "ranks"} if done else None

@@ -133,18 +133,28 @@ def tolerant(cfg) -> bool:
 
 
 def lost_with(plan, rank: int) -> list[int]:
-    """`rank` and the workers lost with it: its node's, which average and broadcast with it every step."""
+    """`rank` and the workers lost with it: a worker's node's, which average and broadcast with it every
+    step; a PS shard alone (another takes it on)."""
+    if plan.procs[rank].role == "ps":
+        return [rank]
     node = plan.procs[rank].node
     return sorted({rank} | {p.rank for p in plan.workers if p.node == node})
 
 
 def survivable(cfg, plan, lost) -> bool:
-    """Whether the job trains on without the processes `lost` (ranks): only workers, never the
-    chief's node (it evaluates, checkpoints and serves the rendezvous), and under backup at most
-    strategy.backup_workers nodes (each update still gets its N-b node gradients)."""
-    if not lost or not tolerant(cfg) or any(plan.procs[r].role != "worker" for r in lost):
+    """Whether the job trains on without the processes `lost` (ranks): workers, never the chief's
+    node (it evaluates, checkpoints and serves the rendezvous), and under backup at most
+    strategy.backup_workers nodes (each update still gets its N-b node gradients); PS shards with
+    cluster.survive_loss while one is left to take them on (ps_client.py)."""
+    if not lost or not tolerant(cfg):
         return False
-    nodes = {plan.procs[r].node for r in lost}
+    shards = {r for r in lost if plan.procs[r].role == "ps"}
+    if shards and not (cfg.cluster.survive_loss and len(shards) < len(plan.ps)):
+        return False
+    workers = set(lost) - shards
+    if not workers:
+        return True
+    nodes = {plan.procs[r].node for r in workers}
     if plan.workers[0].node in nodes:
         return False
     return not entry(cfg).backups or len(nodes) <= cfg.strategy.backup_workers
