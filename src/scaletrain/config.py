@@ -217,7 +217,8 @@ class ClusterConfig:
                              "group re-forms among the survivors (under allreduce the learning rate follows the "
                              "smaller batch by optim.scale_lr), "
                              "under sync the shards wait for the nodes left; the asynchronous modes and backup always "
-                             "do; never without the chief's node (docs/fault-tolerance.md)")
+                             "do; never without the chief's node; a lost PS shard is taken on by a live one, from "
+                             "the newest values a worker holds (docs/fault-tolerance.md)")
     after_loss: str = opt("scale-lr", "with survive_loss under allreduce, an update of fewer replicas: scale-lr (the "
                           "learning rate follows the smaller batch by optim.scale_lr) | keep-batch (each replica "
                           "left accumulates ceil(k N / n) micro-batches, so the global batch stays the recipe's "

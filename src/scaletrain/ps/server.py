@@ -33,6 +33,10 @@ A lost pusher (LOST, from the chief; see comm/liveness.py) leaves `active`: no
 update or sync waits for it any more. An exchange with a pusher that failed because
 it died is skipped; the heartbeats decide whether the job goes on without it.
 
+A REBUILD (cluster.survive_loss; strategies/ps_client.py) makes this shard take on a lost one:
+it serves it beside its own, on a thread and with that shard's own tags, from the values a
+pusher sends and the optimizer state of the newest checkpoint.
+
 A SNAPSHOT request (from the chief, at a checkpoint) is answered at once
 with the version, the values and the optimizer state; `load` puts such a
 snapshot back when a run resumes.
