@@ -36,10 +36,17 @@ word names) beside the rank that should be:
   survive-overhead                     4 replicas at emulated 0.1 s steps, 60
       steps, cluster.survive_loss off and on alternately, 3 runs each: the
       job's images per second, and the overhead, 1 - on / off (medians)
-  goodput-kill-every-30s               a worker of 4 killed every 30 s (1000
+  goodput-kill-every-30s[-local-sgd, -diloco, -sync]
+                                       a worker of 4 killed every 30 s (1000
       steps at emulated 0.1 s): images applied over the job's wall time, with
-      replacements that heal from a live replica and with restarts from the
-      newest checkpoint, each against the same job with no failure
+      replacements that heal from a live replica (sync: going on with fewer
+      nodes) and with restarts from the newest checkpoint, each against the
+      same job with no failure
+  survive-kill-local-sgd, survive-kill-diloco
+                                       the lost-node scenario with survive_loss
+  survive-kill-ps-sync, survive-kill-ps-mixed-async
+                                       kill -9 of PS shard 1 of 2 with
+      survive_loss: shard 0 takes it on; heal_s, updates_lost from lost_workers
   load-allreduce-8x2, -16x2            16 and 32 processes, emulated compute
       0.05 s, the default cluster.timeout_s: start_s (launch -> the chief's
       "data ready, training"), first_row_s (-> first metrics row), total_s
@@ -70,7 +77,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = ["data.workers=0", "cluster.nodes=2", "cluster.timeout_s=5", "train.steps=60", "train.log_every=5",
         "train.eval_every=0", "train.checkpoint_every=20", "train.deterministic=true"]
 STRATEGY = {"allreduce": ["strategy.name=allreduce"], "sync": ["strategy.name=sync", "cluster.num_ps=1"],
-            "mixed-async": ["strategy.name=mixed-async", "cluster.num_ps=1"]}
+            "mixed-async": ["strategy.name=mixed-async", "cluster.num_ps=1"],
+            "local-sgd": ["strategy.name=local-sgd", "strategy.sync_every=8"],
+            "diloco": ["strategy.name=diloco", "strategy.sync_every=8"]}
 
 
 def command(run_dir: Path, sets: list[str], resume: bool = False, quiet: bool = True) -> list[str]:
@@ -228,11 +237,13 @@ def lost_node(tmp: Path, strategy: str, sig: signal.Signals, survive: bool = Fal
     """kill -9 or SIGSTOP of worker 2 (node 3) of an asynchronous job, or of one with cluster.survive_loss:
     it goes on with the others."""
     run_dir = tmp / f"lost-{strategy}-{sig.name}"
-    sets = [f"strategy.name={strategy}", f"cluster.num_ps={int(strategy != 'allreduce')}", "cluster.nodes=3",
-            "strategy.backup_workers=1" if strategy == "backup" else "strategy.backup_workers=0", "train.steps=100"] + \
+    ps = strategy not in ("allreduce", "local-sgd", "diloco")
+    sets = [f"strategy.name={strategy}", f"cluster.num_ps={int(ps)}", "cluster.nodes=3",
+            "strategy.backup_workers=1" if strategy == "backup" else "strategy.backup_workers=0", "train.steps=100",
+            *STRATEGY.get(strategy, [])[1:]] + \
         (["cluster.survive_loss=true", "train.checkpoint_every=0"] if survive else [])
     job = Job(run_dir, sets)
-    pids = job.training(4 if strategy != "allreduce" else 3)
+    pids = job.training(3 + ps)
     rank = next(r for r, pid in pids.items()
                 if json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["index"] == 2
                 and json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["role"] == "worker")
@@ -276,29 +287,35 @@ def survive_overhead(tmp: Path, repeats: int = 3) -> dict:
                 right=on / off >= 0.98)
 
 
-def goodput(tmp: Path, every_s: float = 30.0, steps: int = 1000) -> dict:
-    """A worker killed every `every_s` seconds (nodes 2, 3, 4 in turn) of a 4-replica allreduce job at emulated
-    0.1 s steps: its goodput (the target's images over the job's wall time, launch to exit, failures
-    included) when replacements heal from a live replica (survive_loss, replacements), and when the job
-    restarts from its newest checkpoint (max_restarts, a checkpoint every 50 steps), against the same job
-    with no failure."""
-    base = ["strategy.name=allreduce", "cluster.nodes=4", "train.emulate_compute_s=0.1", f"train.steps={steps}"]
+def goodput(tmp: Path, strategy: str = "allreduce", every_s: float = 30.0, steps: int = 1000) -> dict:
+    """A worker killed every `every_s` seconds (nodes 2, 3, 4 in turn) of a 4-node job at emulated 0.1 s
+    steps: its goodput (the target's images over the job's wall time, launch to exit, failures included)
+    going on in place (survive_loss), with replacements that heal from a live replica where the strategy
+    takes them, and when the job restarts from its newest checkpoint (max_restarts, a checkpoint every 50
+    steps), against the same job with no failure. Without replacements the job goes on with fewer nodes
+    after each loss, until one is left."""
+    base = [f"strategy.name={strategy}", "cluster.nodes=4", "train.emulate_compute_s=0.1", f"train.steps={steps}",
+            *STRATEGY[strategy][1:]]
+    heals = strategy in ("allreduce", "local-sgd", "diloco")
+    place = "replace" if heals else "survive"
     modes = {"none": ["train.checkpoint_every=0"],
-             "replace": ["cluster.survive_loss=true", "cluster.replacements=50", "train.checkpoint_every=0"],
+             place: ["cluster.survive_loss=true", f"cluster.replacements={50 * heals}", "train.checkpoint_every=0"],
              "restart": ["cluster.max_restarts=50", "train.checkpoint_every=50"]}
     out = {}
     for mode, sets in modes.items():
-        run_dir = tmp / f"goodput-{mode}"
+        run_dir = tmp / f"goodput-{strategy}-{mode}"
         job, kills = Job(run_dir, base + sets), 0
-        job.training(4, after_step=1)
+        job.training(4 + ("cluster.num_ps=1" in STRATEGY[strategy]), after_step=1)
         t_next = time.time() + every_s
         while job.p.poll() is None:
             if mode != "none" and time.time() >= t_next:
-                rank = 1 + kills % 3
+                index = 1 + kills % 3
                 try:
-                    os.kill(json.loads((run_dir / "logs" / f"rank{rank}.json").read_text())["pid"], signal.SIGKILL)
+                    info = [json.loads(f.read_text()) for f in (run_dir / "logs").glob("rank*.json")]
+                    os.kill(next(d["pid"] for d in info if d["role"] == "worker" and d["index"] == index),
+                            signal.SIGKILL)
                     kills += 1
-                except (OSError, ValueError):
+                except (OSError, ValueError, StopIteration):
                     pass
                 t_next += every_s
             time.sleep(0.1)
@@ -308,10 +325,36 @@ def goodput(tmp: Path, every_s: float = 30.0, steps: int = 1000) -> dict:
                          goodput=round(summary.get("images_applied", 0) / wall, 1),
                          joined=len(summary.get("joined_workers") or []), restarts=sum(
                              "restart" in line and "of" in line for _, line in job.lines))
-    ratio = {m: round(out[m]["goodput"] / out["none"]["goodput"], 3) for m in ("replace", "restart")}
-    return dict(fault=f"kill -9 a worker every {every_s:.0f} s, 4 replicas at 0.1 s steps", strategy="allreduce",
+    ratio = {m: round(out[m]["goodput"] / out["none"]["goodput"], 3) for m in (place, "restart")}
+    return dict(fault=f"kill -9 a worker every {every_s:.0f} s, 4 nodes at 0.1 s steps", strategy=strategy,
                 runs=out, goodput_ratio=ratio, right=all(r["exit"] == 0 for r in out.values()) and
-                ratio["replace"] >= 0.9)
+                (ratio[place] >= 0.9 or not heals))
+
+
+def lost_shard(tmp: Path, strategy: str) -> dict:
+    """kill -9 of PS shard 1 of 2 (node 3) of a 3-node job with cluster.survive_loss: shard 0 takes it on
+    (strategies/ps_client.py); the chief's figures of it from summary.json's lost_workers."""
+    run_dir = tmp / f"lost-shard-{strategy}"
+    sets = [f"strategy.name={strategy}", "cluster.num_ps=2", "cluster.nodes=3", "train.steps=100",
+            "cluster.survive_loss=true", "train.checkpoint_every=20"]
+    job = Job(run_dir, sets)
+    pids = job.training(5, after_step=25)
+    rank = next(r for r in pids if json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["role"] == "ps"
+                and json.loads((run_dir / "logs" / f"rank{r}.json").read_text())["index"] == 1)
+    t0 = time.time()
+    os.kill(pids[rank], signal.SIGKILL)
+    declared = None
+    while job.p.poll() is None and declared is None:
+        declared = job.first("taken on by another", t0)
+        time.sleep(0.05)
+    rc = job.wait()
+    summary = json.loads((run_dir / "summary.json").read_text()) if rc == 0 else {}
+    lost = (summary.get("lost_workers") or [{}])[0]
+    row = dict(fault="kill -9 PS shard 1 of 2 (node 3), survive_loss", strategy=strategy, detect_s=declared,
+               exit=rc, heal_s=lost.get("heal_s"), updates_lost=lost.get("updates_lost"),
+               taken_on_by=lost.get("taken_on_by"), target_reached=summary.get("images_applied", 0) >= 100 * 3 * 32,
+               lost_workers=summary.get("lost_workers"), orphans=orphans(pids))
+    return dict(row, right=rc == 0 and row["target_reached"] and row["orphans"] == 0 and "shard" in lost)
 
 
 def smaller_restart(tmp: Path) -> dict:
@@ -462,6 +505,13 @@ SCENARIOS = {
     "survive-kill-sync": lambda t: lost_node(t, "sync", signal.SIGKILL, survive=True),
     "survive-overhead": survive_overhead,
     "goodput-kill-every-30s": goodput,
+    "goodput-kill-every-30s-local-sgd": lambda t: goodput(t, "local-sgd"),
+    "goodput-kill-every-30s-diloco": lambda t: goodput(t, "diloco"),
+    "goodput-kill-every-30s-sync": lambda t: goodput(t, "sync"),
+    "survive-kill-local-sgd": lambda t: lost_node(t, "local-sgd", signal.SIGKILL, survive=True),
+    "survive-kill-diloco": lambda t: lost_node(t, "diloco", signal.SIGKILL, survive=True),
+    "survive-kill-ps-sync": lambda t: lost_shard(t, "sync"),
+    "survive-kill-ps-mixed-async": lambda t: lost_shard(t, "mixed-async"),
     "load-allreduce-8x2": lambda t: load(t, 8),
     "load-allreduce-16x2": lambda t: load(t, 16),
 }
