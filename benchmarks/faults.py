@@ -42,7 +42,7 @@ word names) beside the rank that should be:
       replacements that heal from a live replica (sync: going on with fewer
       nodes) and with restarts from the newest checkpoint, each against the
       same job with no failure
-  survive-kill-local-sgd, survive-kill-diloco
+  survive-kill-local-sgd, survive-kill-diloco, survive-kill-async-allreduce
                                        the lost-node scenario with survive_loss
   survive-kill-ps-sync, survive-kill-ps-mixed-async
                                        kill -9 of PS shard 1 of 2 with
@@ -237,7 +237,7 @@ def lost_node(tmp: Path, strategy: str, sig: signal.Signals, survive: bool = Fal
     """kill -9 or SIGSTOP of worker 2 (node 3) of an asynchronous job, or of one with cluster.survive_loss:
     it goes on with the others."""
     run_dir = tmp / f"lost-{strategy}-{sig.name}"
-    ps = strategy not in ("allreduce", "local-sgd", "diloco")
+    ps = strategy not in ("allreduce", "async-allreduce", "local-sgd", "diloco")
     sets = [f"strategy.name={strategy}", f"cluster.num_ps={int(ps)}", "cluster.nodes=3",
             "strategy.backup_workers=1" if strategy == "backup" else "strategy.backup_workers=0", "train.steps=100",
             *STRATEGY.get(strategy, [])[1:]] + \
@@ -510,6 +510,7 @@ SCENARIOS = {
     "goodput-kill-every-30s-sync": lambda t: goodput(t, "sync"),
     "survive-kill-local-sgd": lambda t: lost_node(t, "local-sgd", signal.SIGKILL, survive=True),
     "survive-kill-diloco": lambda t: lost_node(t, "diloco", signal.SIGKILL, survive=True),
+    "survive-kill-async-allreduce": lambda t: lost_node(t, "async-allreduce", signal.SIGKILL, survive=True),
     "survive-kill-ps-sync": lambda t: lost_shard(t, "sync"),
     "survive-kill-ps-mixed-async": lambda t: lost_shard(t, "mixed-async"),
     "load-allreduce-8x2": lambda t: load(t, 8),

@@ -213,7 +213,8 @@ class ClusterConfig:
     max_restarts: int = opt(0, "restart a failed job from its newest complete checkpoint up to this many times "
                             "(local launcher and Slurm job step; 0..1000)", lo=0, hi=1000)
     survive_loss: bool = opt(False, "a lost worker node (killed, frozen, cut off) is dropped within timeout_s and the "
-                             "job goes on without it, no restart: under allreduce, local-sgd and diloco the replicas' "
+                             "job goes on without it, no restart: under allreduce, async-allreduce, local-sgd and "
+                             "diloco the replicas' "
                              "group re-forms among the survivors (under allreduce the learning rate follows the "
                              "smaller batch by optim.scale_lr), "
                              "under sync the shards wait for the nodes left; the asynchronous modes and backup always "

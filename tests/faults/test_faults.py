@@ -309,10 +309,11 @@ def test_an_asynchronous_job_goes_on_without_a_lost_worker_node(tmp_path, env, s
 
 
 @pytest.mark.parametrize("strategy,sig", [("allreduce", signal.SIGKILL), ("allreduce", signal.SIGSTOP),
-                                          ("sync", signal.SIGKILL)])
+                                          ("sync", signal.SIGKILL), ("async-allreduce", signal.SIGKILL)])
 def test_with_survive_loss_a_job_goes_on_in_place_without_a_lost_worker(tmp_path, env, strategy, sig):
     """cluster.survive_loss, no restarts: all-reduce's ring re-forms among the survivors, sync's shard waits for
-    the pushers left. The learning rate follows the survivors' batch (linear rule: 2/3 of it)."""
+    the pushers left. The learning rate follows the survivors' batch (linear rule: 2/3 of it). Asynchronous
+    all-reduce's rounds go on over the ring, and its replicas end holding one model."""
     run_dir = tmp_path / "run"
     p = start(run_dir, env, f"strategy.name={strategy}", "cluster.nodes=3", f"cluster.num_ps={int(strategy == 'sync')}",
               "cluster.survive_loss=true", "cluster.max_restarts=0", "train.steps=60", "train.emulate_compute_s=0.1",
@@ -336,6 +337,8 @@ def test_with_survive_loss_a_job_goes_on_in_place_without_a_lost_worker(tmp_path
         rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in r]
         assert {r["lr"] for r in rows if r["images"] < lost["images"] - 96} == {0.05 * 96 / 256}, rows
         assert {round(r["lr"], 9) for r in rows if r["images"] > lost["images"]} == {round(0.05 * 64 / 256, 9)}
+    if strategy == "async-allreduce":
+        assert "heal_s" in lost and len({w["weights_sum"] for w in s["per_worker"]}) == 1, (lost, s["per_worker"])
     no_orphans(procs)
 
 

@@ -56,7 +56,7 @@ LOCAL_STAGES = "average whole replicas' weights when they meet; a stage's share 
 
 REGISTRY: dict[str, Traits] = {
     "allreduce": Traits(uses_ps=False, resizable=True, reforms=True, heals=True),
-    "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True,
+    "async-allreduce": Traits(uses_ps=False, resizable=True, rounds=True, reforms=True,
                               no_stages="step ahead of their gradients' rounds, which a pipeline's stages would "
                                         "each do by a different count"),
     "local-sgd": Traits(uses_ps=False, local="average", reforms=True, heals=True, no_stages=LOCAL_STAGES),
