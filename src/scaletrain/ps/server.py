@@ -33,7 +33,7 @@ A lost pusher (LOST, from the chief; see comm/liveness.py) leaves `active`: no
 update or sync waits for it any more. An exchange with a pusher that failed because
 it died is skipped; the heartbeats decide whether the job goes on without it.
 
-A REBUILD (cluster.survive_loss; strategies/ps_client.py) makes this shard take on a lost one:
+A REBUILD (cluster.survive_loss; strategies/ps_client.py, ps/takeover.py) makes this shard take on a lost one:
 it serves it beside its own, on a thread and with that shard's own tags, from the values a
 pusher sends and the optimizer state of the newest checkpoint.
 
@@ -66,11 +66,12 @@ from ..comm.liveness import HEARTBEAT_S, STALE_S
 from ..data import build_datasets
 from ..errors import CheckpointError
 from ..models import build_model
-from ..optim import compensate, lr_at, staleness_scale, state_keys
+from ..optim import compensate, lr_at, staleness_scale
 from ..schedule import Schedule
 from ..stats import HIST_BINS
 from ..strategies import traits
 from . import protocol as P
+from . import takeover
 from .shard_optim import ShardOptimizer
 from .sharding import gather, make_layout, pieces
 
@@ -172,7 +173,7 @@ class Shard:
             elif command == P.SNAPSHOT:
                 self._send_state(src)
             elif command == P.REBUILD:
-                self._take_on(src, version, flag)
+                self.taken.append(takeover.take_on(self, src, version, flag))
             elif command == P.PULL:  # another shard announced a point: answer once this one is there too
                 if self.syncing or self.done:
                     self._reply([src])
@@ -375,44 +376,6 @@ class Shard:
         for t in tensors:
             p2p.send(t, dst=dst, tag=self.tags.snap)
 
-    def _take_on(self, src: int, version: int, k: int) -> None:
-        """REBUILD: serve lost shard k too, from the values `src` holds of it (the newest any pusher holds),
-        at their version, with the optimizer state of k the newest checkpoint saved; on a thread of its own,
-        with k's tags (protocol.py)."""
-        images = torch.zeros(1, dtype=torch.int64)
-        p2p.recv(images, src=src, tag=P.TAG_REBUILD)
-        shard = Shard(self.cfg, k, self.pushers, self.mode, self.wait_for, self.schedule, self.push_images,
-                      self.update_images, self.ctx, tags=P.tags(k), run_dir=self.run_dir)
-        values = torch.empty(shard.values.shape)
-        p2p.recv(values, src=src, tag=P.TAG_REBUILD)
-        shard.rebuild(values, version, int(images), self.lost)
-        thread = threading.Thread(target=shard.serve, name=f"ps-shard-{k}", daemon=True)
-        thread.start()
-        self.taken.append((shard, thread))
-        # The version whose optimizer state it starts from (-1: none): the updates since are lost; an optimizer
-        # without state (sgd without momentum) loses none
-        saved = shard.rebuilt["checkpoint_version"] if state_keys(self.cfg.optim) else version
-        p2p.send(P.header(saved, P.REBUILD, k), dst=src, tag=P.TAG_REBUILD)
-        at = shard.rebuilt["checkpoint_step"]
-        log.warning("PS shard %d: took on lost shard %d at version %d, its optimizer state %s", self.index, k, version,
-                    "(none)" if not state_keys(self.cfg.optim) else "fresh (no checkpoint)" if at is None else
-                    f"of the checkpoint of step {at}")
-
-    def rebuild(self, values: torch.Tensor, version: int, images: int, lost: set) -> None:
-        """Start as lost shard `index` from a pusher's values of it at `version` (the job's `images` then),
-        with its optimizer state of the newest checkpoint that holds it (none: fresh), without the pushers lost."""
-        with torch.no_grad():
-            self.values.copy_(values)
-        for w in self.sent.values():
-            w.copy_(values)
-        self.version, self.images = version, images
-        self.lost, self.active = set(lost), self.active - set(lost)
-        saved, step = _saved_shard(self.run_dir, self.index, self.values.numel())
-        if saved is not None and saved["optimizer"]:
-            self.optimizer.load(saved["optimizer"], self.version)
-        self.rebuilt = {"version": version, "checkpoint_step": step,
-                        "checkpoint_version": saved["version"] if saved is not None else -1}
-
     def load(self, saved: dict) -> None:
         """Continue from a snapshot of this shard (see PSClient.snapshot)."""
         values = saved["values"]
@@ -427,32 +390,6 @@ class Shard:
         if saved["optimizer"]:
             self.optimizer.load(saved["optimizer"], self.version)
         self.images = saved.get("images", self.version * self.update_images)  # older checkpoints: derived
-
-
-def _saved_shard(run_dir: Path | None, k: int, numel: int) -> tuple[dict | None, int | None]:
-    """Shard k's state in the newest checkpoint of the run that holds it, and that checkpoint's step; read
-    as it is (a checkpoint being written is not complete yet: list_complete leaves it out)."""
-    for step, path in reversed(checkpoint.list_complete(run_dir / "checkpoints") if run_dir else []):
-        try:
-            shards = checkpoint.read(path).get("ps") or []
-        except CheckpointError:
-            continue
-        if k < len(shards) and shards[k]["values"].numel() == numel:
-            return shards[k], step
-    return None, None
-
-
-def _figures(shards: list[Shard]) -> dict:
-    """The figures of the shards one process served (its own, and those it took on), summed."""
-    hist, by_sender = sum(s.hist for s in shards), {}
-    for s in shards:
-        for r, (total, n) in s.by_sender.items():
-            by_sender[r] = [by_sender.get(r, [0, 0])[0] + total, by_sender.get(r, [0, 0])[1] + n]
-    return dict(steps=sum(s.applied for s in shards), applied=sum(s.applied for s in shards),
-                bytes_sent=sum(s.bytes_sent for s in shards), bytes_recv=sum(s.bytes_recv for s in shards),
-                dropped=sum(s.dropped for s in shards), stale_max=max(s.stale_max for s in shards),
-                shard_bytes=sum(s.values.numel() * s.values.element_size() for s in shards),
-                hist=hist, by_sender=by_sender)
 
 
 def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
@@ -483,5 +420,5 @@ def run_shard(cfg, ctx, run_dir: Path, resume: bool) -> dict:
     shard.serve()
     for _, thread in shard.taken:  # until their pushers have stopped too
         thread.join()
-    return dict(is_ps=1, node=ctx.me.node, pusher=0, **_figures([shard] + [s for s, _ in shard.taken]),
+    return dict(is_ps=1, node=ctx.me.node, pusher=0, **takeover.figures([shard] + [s for s, _ in shard.taken]),
                 stopped=shard.stopped, step=shard.schedule.step_of(shard.images))
