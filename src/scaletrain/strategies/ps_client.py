@@ -74,9 +74,10 @@ class PSClient(Strategy):
 
     def _announce(self, ranks: list[int]) -> None:
         """The chief's heartbeat thread: tell the shards to go on without these pushers."""
+        told = pushers(self.cfg, self.ctx.plan)
         for server, tags in zip(self.servers, self.tags):
             for r in ranks:
-                if server in ranks or r not in pushers(self.cfg, self.ctx.plan):
+                if server in ranks or r not in told:
                     continue
                 try:
                     self._told.append(dist.isend(P.header(r, P.LOST), dst=server, tag=tags.hdr))
@@ -211,7 +212,7 @@ class PSClient(Strategy):
             ack = torch.zeros(P.HEADER, dtype=torch.int64)
             p2p.recv(ack, src=adopter, tag=P.TAG_REBUILD)
             store.set(f"{key}/at", f"{self.versions[k]},{int(ack[0])}")
-        version, saved = map(int, self._wait_key(store, f"{key}/at").split(","))
+        version, saved = map(int, self._wait_key(store, f"{key}/at", src).split(","))
         self.servers[k], self.tags[k] = adopter, P.tags(k)
         if ctx.is_chief:
             self.rebuilds.append({"ranks": [dead], "shard": k, "taken_on_by": adopter, "version": version,
@@ -220,14 +221,16 @@ class PSClient(Strategy):
         return True
 
     def _plan_rebuild(self, store, key: str, dead: int) -> None:
-        """The chief: once every live pusher said which version it holds (or a bound passed), the newest
-        holder and the live shard that takes the lost one on (the next in shard order)."""
-        deadline = time.monotonic() + self.ctx.timeout_s + 10
+        """The chief: once every live pusher said which version it holds, the newest holder and the live shard
+        that takes the lost one on (the next in shard order). Every pusher gets there at its next exchange with
+        the lost shard, however long its work takes: without the newest holder a synchronous shard would wait
+        for a gradient of a version its pushers have left. One lost meanwhile, or done, is not waited for."""
         while True:
-            live = [r for r in pushers(self.cfg, self.ctx.plan) if r not in self.ctx.dropped]
+            live = [r for r in pushers(self.cfg, self.ctx.plan)
+                    if r not in self.ctx.dropped and not store.check([f"done/{r}"])]
             held = {r: int(store.get(f"{key}/held/{r}").decode().split(",")[0])
                     for r in live if store.check([f"{key}/held/{r}"])}
-            if len(held) == len(live) or time.monotonic() > deadline:
+            if len(held) == len(live):
                 break
             time.sleep(HEARTBEAT_S / 5)
         src = min(held, key=lambda r: (-held[r], r))
@@ -236,8 +239,12 @@ class PSClient(Strategy):
         adopter = next(r for r in ranks[at + 1:] + ranks[:at] if r not in self.ctx.dropped)
         store.set(f"{key}/plan", f"{src},{adopter}")
 
-    def _wait_key(self, store, key: str) -> str:
+    def _wait_key(self, store, key: str, sender: int | None = None) -> str:
+        """A key of the store, once set (by `sender`, which the job may lose meanwhile: then an error naming it)."""
         while not store.check([key]):
+            if sender is not None and sender in self.ctx.dropped:
+                raise RuntimeError(f"{self.ctx.describe(sender)}, which held the newest values of a lost PS shard, "
+                                   "was lost before it sent them")
             time.sleep(HEARTBEAT_S / 5)
         return store.get(key).decode()
 
