@@ -225,10 +225,10 @@ class ClusterConfig:
                           "left accumulates ceil(k N / n) micro-batches, so the global batch stays the recipe's "
                           "where n divides k N; the rate follows it where it cannot)",
                           choices=("scale-lr", "keep-batch"))
-    replacements: int = opt(0, "with survive_loss under allreduce, local-sgd or diloco, the local launcher starts a "
-                            "replacement for a "
-                            "dropped worker, which joins at a step boundary with a live replica's weights, optimizer "
-                            "and data position (no checkpoint read), up to this many over the job (0..1000)",
+    replacements: int = opt(0, "with survive_loss under allreduce, local-sgd or diloco, the launcher (local, or each "
+                            "rank's keeper under torchrun and Slurm) starts a replacement for a dropped worker, which "
+                            "joins at a step boundary with a live replica's weights, optimizer and data position (no "
+                            "checkpoint read), up to this many over the job (0..1000)",
                             lo=0, hi=1000)
     min_nodes: int = opt(0, "a restart may leave a failed worker node out while this many remain "
                          "(strategy allreduce; 0 = always cluster.nodes; 0..4096)", lo=0, hi=4096)

@@ -180,7 +180,9 @@ class Job:
         if optimizer is not None and cfg.parallel.stages > 1:
             raise ConfigError(f"parallel.stages = {cfg.parallel.stages}: each stage steps the recipe's [optim] over its "
                               "own layers; call job.wrap(model) without an optimizer")
-        found = newest_checkpoint(self.run_dir / "checkpoints", cfg, ctx.distributed) if self.resume else None
+        # A replacement takes a live replica's state when it joins (comm/ring.py), never a checkpoint's.
+        found = newest_checkpoint(self.run_dir / "checkpoints", cfg, ctx.distributed) if self.resume and not ctx.late \
+            else None
         parts = assemble(cfg, ctx, device, self.run_dir, self.classes, self.schedule, model, optimizer, found)
         self.strategy, self.pipeline, self.ema = parts.strategy, parts.pipeline, parts.ema
         prepare = Prepare(cfg.data.augment, self.train_set.stats, device, parts.channels_last)

@@ -12,6 +12,7 @@ from typing import Any
 from . import checkpoint, schedule
 from .config import Config
 from .errors import ConfigError, Finished
+from .proc.env import LATE
 from .resume import check_config
 
 log = logging.getLogger("scaletrain")
@@ -24,7 +25,11 @@ def prepare_run_dir(run_dir: Path, resume: bool, cfg: Config) -> bool:
     this config (one with another config is refused, naming the keys). Raises Finished when that
     run is over for this config (finished_at): a run is never overwritten. A directory that is not
     there yet is not made here but by the first to write to it (`make`, a launcher), once the
-    config and the data have been checked: a run refused before that leaves nothing behind."""
+    config and the data have been checked: a run refused before that leaves nothing behind. A
+    replacement (launch/keep.py) joins the running job, which owns the directory: nothing is checked
+    or cleared, and its state comes from a live replica."""
+    if os.environ.get(LATE):
+        return False
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file, not a directory")
     if not run_dir.exists():

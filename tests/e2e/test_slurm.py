@@ -407,3 +407,38 @@ def test_an_asynchronous_job_goes_on_without_a_killed_worker_task(cluster, tmp_p
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["images_applied"] == 150 * 3 * 32 and s["lost_workers"][0]["nodes"] == [3], s
     assert not left_behind(run_dir)
+
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_killed_worker_is_replaced_and_joins_the_running_job(cluster, tmp_path, whole):
+    """cluster.replacements under Slurm: each task keeps its rank (launch/keep.py). Node 3's worker killed -9: its
+    keeper starts a replacement once the chief has dropped it. Its task killed whole (the keeper with it, as when
+    its node fails): no keeper answers for the rank, and the batch step starts it again in a step of its own on a
+    host Slurm holds up (launch/slurm.start_orphans). Either way the replacement joins the running job with a live
+    replica's state, and the job completes with its three nodes and one model: no restart, no requeue."""
+    run_dir = tmp_path / "replaced"
+    p, job = start(cluster, run_dir, "cluster.nodes=3", "strategy.name=allreduce", "cluster.survive_loss=true",
+                   "cluster.replacements=1", "cluster.max_restarts=0", "train.steps=200",
+                   "train.emulate_compute_s=0.1", "train.checkpoint_every=10", "cluster.timeout_s=5")
+    wait_for_step(run_dir, 15)
+    worker = next(d for d in placement(run_dir) if d["role"] == "worker" and d["index"] == 2)
+    keeper = int(Path(f"/proc/{worker['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(keeper if whole else worker["pid"], 9)  # a keeper's process dies with it (parent-death signal)
+    out, err = p.communicate(timeout=240)
+    logs = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert p.returncode == 0, out + err + logs
+    who = f"rank {worker['rank']} (worker 2 on node 3)"
+    said = f"{who}: no keeper answered for it (its task or its node is gone); started a replacement step on " \
+        f"{worker['SLURMD_NODENAME']}" if whole else f"{who} was killed by signal SIGKILL; started a replacement on " \
+        "this node (1/1)"
+    assert said in logs, logs
+    s = json.loads((run_dir / "summary.json").read_text())
+    (lost,), (joined,) = s["lost_workers"], s["joined_workers"]
+    assert lost["nodes"] == [3] and joined["nodes"] == [3] and joined["images"] > lost["images"], s
+    assert s["resumed_from"] is None and s["images_applied"] >= 200 * 3 * 32, s
+    ends = s["per_worker"]
+    assert [w["node"] for w in ends] == [0, 1, 2] and len({w["weights_sum"] for w in ends}) == 1, ends
+    again = next(d for d in placement(run_dir) if d["rank"] == worker["rank"])
+    assert again["pid"] != worker["pid"] and again["SLURMD_NODENAME"] == worker["SLURMD_NODENAME"], again
+    assert not left_behind(run_dir)

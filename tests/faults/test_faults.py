@@ -8,13 +8,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, scaletrain_cmd
+from conftest import ROOT, free_port, scaletrain_cmd
 from test_failure import alive
 
 TIMEOUT_S = 5
@@ -393,6 +394,49 @@ def test_a_replacement_joins_in_place_of_a_killed_worker_with_a_live_replicas_st
     replacement = (run_dir / "logs" / f"rank{rank}.1.log")
     assert replacement.exists() and (run_dir / "logs" / f"rank{rank}.log").exists()  # the lost one's log kept
     no_orphans(procs)
+
+
+@pytest.mark.parametrize("replace", [1, 0])
+def test_under_torchrun_a_killed_worker_is_replaced_on_its_node_and_joins_with_a_live_replicas_state(tmp_path, env,
+                                                                                                     replace):
+    """survive_loss under torchrun: the process each agent started keeps its rank (launch/keep.py). The worker of
+    node 3 killed -9, its keeper starts a replacement once the chief has dropped it (cluster.replacements); it
+    joins the running job through the agent's store. Every agent ends with status 0, none restarted; without a
+    replacement too (an agent that failed would hold the others at torchrun's exit barrier)."""
+    run_dir = tmp_path / "run"
+    sets = [*BASE, "strategy.name=allreduce", "cluster.nodes=3", "cluster.survive_loss=true",
+            f"cluster.replacements={replace}", "cluster.max_restarts=0", "train.steps=150",
+            "train.emulate_compute_s=0.1", "train.checkpoint_every=10", f"cluster.master_port={free_port()}"]
+    plan = subprocess.run(scaletrain_cmd("plan", "--recipe", "recipes/digits.toml", "--format", "torchrun",
+                                         "--run-dir", str(run_dir), *(a for x in sets for a in ("--set", x))),
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    commands = [c for c in plan.stdout.splitlines() if c.startswith("torchrun ")]
+    env = dict(env, PATH=f"{os.path.dirname(sys.executable)}:{env['PATH']}")
+    agents = [subprocess.Popen(c, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True) for c in commands]
+    try:
+        wait_training(agents[0], run_dir, 3)
+        rank, pid = role_pid(run_dir, "worker", 2)
+        os.kill(pid, signal.SIGKILL)
+        outs = [a.communicate(timeout=180)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0, 0], outs
+    killed = f"rank {rank} (worker 2 on node 3) was killed by signal SIGKILL; "
+    assert killed + ("started a replacement on this node (1/1)" if replace else "the job goes on without it") \
+        in outs[2], outs[2]
+    s = json.loads((run_dir / "summary.json").read_text())
+    (lost,) = s["lost_workers"]
+    assert lost["nodes"] == [3] and lost["steps_lost"] <= 1, lost
+    assert s["resumed_from"] is None and s["images_applied"] >= 150 * 3 * 32, s
+    ends = s["per_worker"]
+    assert [w["node"] for w in ends] == [0, 1, 2][:2 + replace] and len({w["weights_sum"] for w in ends}) == 1, ends
+    if replace:
+        (joined,) = s["joined_workers"]
+        assert joined["nodes"] == [3] and joined["ranks"] == [rank] and joined["images"] > lost["images"], joined
+    assert json.loads((run_dir / "logs" / f"rank{rank}.json").read_text())["launcher"] == "torchrun"
 
 
 @pytest.mark.parametrize("strategy,replace,every,points", [("local-sgd", 0, 4, 10), ("diloco", 1, 8, 0)])

@@ -312,3 +312,15 @@ def test_an_import_path_network_s_directory_is_on_the_scripts_pythonpath(tmp_pat
                                    "it must import on every node (installed in the job's environment, or its "
                                    "directory on PYTHONPATH)"]
     assert flags.import_dirs(load_config(RECIPES / "digits.toml", ["model.name=torch.nn:Identity"])) == ([], [])
+
+
+def test_a_job_that_goes_on_without_a_lost_node_asks_slurm_not_to_end_it_when_one_fails():
+    """--no-kill where the job goes on without a lost process (mixed-async; allreduce with survive_loss): a
+    failed node would otherwise end the allocation, and the job with it."""
+    script = slurm.script(study(), Path("/r"), [], env={})
+    assert "#SBATCH --no-kill" in script.splitlines()
+    sync = slurm.script(study("strategy.name=sync"), Path("/r"), [], env={})
+    assert "--no-kill" not in sync
+    kept = slurm.script(study("strategy.name=allreduce", "cluster.num_ps=0", "cluster.survive_loss=true"), Path("/r"),
+                        [], env={})
+    assert "#SBATCH --no-kill" in kept.splitlines()

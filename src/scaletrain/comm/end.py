@@ -84,12 +84,14 @@ def _wait_all(ctx: Context, store, key: str) -> list[int]:
 def abort(ctx: Context, culprits: list[int] | None = None) -> None:
     """Leave after a failure: say in the store who failed (this process unless `culprits`
     names the peers it lost; those go to the launcher's note too), so the others stop at
-    once, then drop the process groups."""
+    once, then drop the process groups. A replacement not yet admitted (ring.py) says nothing: the job
+    went on without its rank and goes on so."""
     if culprits:
         write_note(ctx, culprits)
     ctx._stop.set()
     if ctx._thread is not None:
         ctx._thread.join()  # the store client is the heartbeat's until it ends
+    if ctx._thread is not None and not ctx.late:
         announce(ctx.store, ctx.rank, culprits or [ctx.rank])
         linger(ctx)
     if dist.is_initialized():

@@ -156,7 +156,9 @@ def init(cfg: Config, plan: Plan, rdzv: Rendezvous) -> Context:
     os.environ.update(fabric.socket_env(c.ifname, loopback))  # gloo's and NCCL's sockets (proc/fabric.py)
     store, met = None, False
     try:
-        if rdzv.launcher == "torchrun":  # torchrun's agent already hosts a store for this job
+        if rdzv.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # torchrun without its agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): torch's env://
+            # rendezvous makes one; no replacement can join it (keep.py)
             dist.init_process_group("gloo", init_method="env://", rank=rdzv.rank, world_size=rdzv.world,
                                     timeout=timeout)
             store, met = default_store(), True
@@ -312,7 +314,7 @@ def _is_loopback(addr: str) -> bool:
 def _tcp_store(rdzv: Rendezvous, timeout: datetime.timedelta, loopback: bool):
     """The job's TCPStore: the others connect to rank 0, which serves it on a socket
     of its own, bound to loopback for local jobs and to every interface otherwise."""
-    if rdzv.rank != 0:
+    if rdzv.rank != 0 or rdzv.launcher == "torchrun":  # under torchrun the agent of the endpoint's host serves it
         return dist.TCPStore(rdzv.addr, rdzv.port, rdzv.world, False, timeout)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -48,6 +48,7 @@ which a `lost` that lists the rank again means it was lost again.
 from __future__ import annotations
 
 import gc
+import glob
 import os
 import signal
 import sys
@@ -250,20 +251,24 @@ class _StoreWatch:
 
 def _ended(ctx) -> tuple[list[int], float]:
     """The ranks the job's launcher saw exit in nodes the job may go on without (RUN_DIR/logs/exited,
-    written by the local launcher): dead, whatever their counters say yet; and the seconds since it said
-    so. A note older than this process is an earlier run's (a run directory resumed under another
-    launcher): not this job's."""
+    written by the local launcher; exited-R, by rank R's keeper under torchrun or srun, launch/keep.py):
+    dead, whatever their counters say yet; and the seconds since the oldest note said so. A note older
+    than this process is an earlier run's (a run directory resumed under another launcher): not this
+    job's."""
     if not ctx.note:  # no launcher note beside this process's log: nothing said
         return [], 0.0
-    path = os.path.join(os.path.dirname(ctx.note), "exited")
-    try:
-        written = os.path.getmtime(path)
-        if written < ctx.joined:
-            return [], 0.0
-        with open(path) as fh:
-            return [int(r) for r in fh.read().split(",") if r.strip()], max(0.0, time.time() - written)
-    except (OSError, ValueError):
-        return [], 0.0
+    logs = os.path.dirname(ctx.note)
+    ranks, oldest = [], time.time()
+    for path in [os.path.join(logs, "exited"), *glob.glob(os.path.join(logs, "exited-*"))]:
+        try:
+            written = os.path.getmtime(path)
+            with open(path) as fh:
+                said = [int(r) for r in fh.read().split(",") if r.strip()]
+        except (OSError, ValueError):
+            continue
+        if written >= ctx.joined and said:
+            ranks, oldest = ranks + said, min(oldest, written)
+    return ranks, max(0.0, time.time() - oldest) if ranks else 0.0
 
 
 def _read_dropped(ctx, lost: bytes, live: _Liveness, read_at: float) -> None:

@@ -29,22 +29,17 @@ from ..metrics import start_up
 from ..ps.server import run_shard
 from ..proc import env as launch_env, fabric
 from ..proc.env import LaunchError, Rendezvous
+from . import keep
 
 
 def join(cfg, run_dir: Path, progress: bool, node: int | None = None) -> Context | int:
     """Be one process of the job: find its rank and the rendezvous, join. Returns the job's Context,
     or the exit status of a process that could not join (the reason printed)."""
-    try:
-        plan = launch_env.plan_for(cfg)
-        rdzv = launch_env.rendezvous(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
-    except (LaunchError, PlanError) as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    found = placed(cfg, node)
+    if isinstance(found, int):
+        return found
+    plan, rdzv = found
     rank = rdzv.rank
-    if rank == 0 and cfg.cluster.replacements and rdzv.launcher != "local":
-        print(f"scaletrain: warning: cluster.replacements = {cfg.cluster.replacements}: only the local launcher starts "
-              f"replacements; under {rdzv.launcher} the job goes on without a lost node to its end", file=sys.stderr,
-              flush=True)
     try:
         if plan.procs[rank].role == "worker":  # its GPUs, on this host (a PS uses none: its host may have none)
             plan = launch_env.plan_for(cfg, facts())
@@ -80,6 +75,22 @@ def join(cfg, run_dir: Path, progress: bool, node: int | None = None) -> Context
     # The workers decide when to stop; a PS shard's request reaches them through its replies.
     end.catch_stop_signals(ctx, cfg.cluster.stopping, escalate=False)
     return ctx
+
+
+def placed(cfg, node: int | None):
+    """(plan, rendezvous) of this process as its launcher placed it, or status 2 (the reason printed)."""
+    try:
+        plan = launch_env.plan_for(cfg)
+        return plan, launch_env.rendezvous(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
+    except (LaunchError, PlanError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def kept(cfg, run_dir: Path, node: int | None) -> int:
+    """Keep this process's rank (keep.run): the exit status of its last child."""
+    found = placed(cfg, node)
+    return found if isinstance(found, int) else keep.run(cfg, run_dir, *found)
 
 
 def serve(cfg, ctx: Context, run_dir: Path, resume: bool) -> None:
@@ -126,6 +137,8 @@ def ending(ctx: Context, exc: BaseException | None) -> int:
 def join_or_exit(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None) -> Context:
     """join() for a process that runs the user's loop: a process that could not join exits with its
     status, and a parameter server's serves its shard and exits; a worker gets its Context."""
+    if keep.wanted(cfg):  # under torchrun or srun, with replacements: this process keeps the rank (keep.py)
+        exit_now(kept(cfg, run_dir, node))
     ctx = join(cfg, run_dir, progress, node)
     if isinstance(ctx, int):
         exit_now(ctx)

@@ -37,6 +37,13 @@ What the script asks of Slurm, and why:
 - --open-mode=append: every run of a requeued job writes to the same
   logs/slurm-JOB.out; Slurm would truncate it at each start otherwise.
 - --time, --partition, --account: as given.
+- --no-kill, for a job that goes on without a lost process (strategies/traits.tolerant): a
+  failed node ends its own tasks, not the allocation; the step has --no-kill too. Each task
+  keeps its rank (launch/keep.py): a process it loses is replaced on its node. A rank the
+  chief dropped that no keeper answers for (its task or its node gone) is started again by
+  `run_job` in a step of its own (`start_orphans`, srun --overlap), on its host while Slurm
+  holds it up, else on a host of the allocation the plan leaves out (a spare), while
+  cluster.replacements lasts.
 
 When a task ends, srun gives the others cluster.timeout_s + 5 s to end on
 their own, as the local launcher does (their heartbeats see a lost peer in
@@ -77,9 +84,10 @@ from ..errors import EXIT_STOPPED
 from ..metrics import LAUNCHED
 from ..plan import format_table, node_name
 from ..strategies import traits
-from . import flags
+from . import flags, keep
 from ..proc import cpus, early, fabric
-from ..proc.env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
+from ..proc.env import (LATE, RANKS, LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts,
+                        slurm_port)
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
 from .local import check_port, free_port, read_ranks, write_failure
@@ -129,6 +137,7 @@ def script(cfg: Config, run_dir: Path, train_args: list[str], partition: str = "
     job = [f"--job-name=scaletrain-{run_dir.name}", f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append",
            "--requeue" if requeue else "--no-requeue"]
     job += [f"--signal=B:{WARNING.name[3:]}@{warn_before}"] if warn_before else []
+    job += ["--no-kill"] if traits.tolerant(cfg) else []  # a failed node does not end a job that goes on without it
     where = [f"--{k}={v}" for k, v in (("partition", partition), ("time", time), ("account", account)) if v]
     where += ([f"--mem={mem}"] if mem else []) + (["--exclusive"] if exclusive else [])
     components = parts(plan, cfg)
@@ -200,8 +209,9 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     job = os.environ.get("SLURM_JOB_ID", "0")
     hosts = slurm_hosts(plan, os.environ, exclude)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for note in [*(run_dir / "logs").glob("rank*.lost"), run_dir / "logs" / "dropped",
-                 run_dir / "logs" / "exited"]:  # an earlier attempt's (exited: a local launcher's)
+    for note in [*(run_dir / "logs").glob("rank*.lost"), *(run_dir / "logs").glob("exited-*"),
+                 *(run_dir / "logs").glob("kept-*"), run_dir / "logs" / "dropped",
+                 run_dir / "logs" / "exited"]:  # an earlier attempt's (exited: a local launcher's; launch/keep.py)
         note.unlink(missing_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))  # what every process of the step reads
     hostfile = run_dir / "logs" / f"hosts-{job}.txt"
@@ -214,22 +224,27 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     # After a task ends, srun waits that long for the others: the heartbeats' bound, or for ever in a
     # job that goes on without a lost worker node (its processes end on their own; comm/liveness.py).
     tolerant = traits.tolerant(cfg)
-    cmd = ["srun", f"--job-name={name}", "--kill-on-bad-exit=0", f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}"]
+    # --no-kill: a failed node ends its tasks, not the step (the job goes on without it)
+    cmd = ["srun", f"--job-name={name}", "--kill-on-bad-exit=0",
+           f"--wait={0 if tolerant else int(cfg.cluster.timeout_s) + 5}", *(["--no-kill"] if tolerant else [])]
     het = len(het_groups(os.environ)) > 1
     cmd += step_layout(plan, cfg, het)
     if script:
-        cmd += [sys.executable, *script]
+        task = [sys.executable, *script]
     else:
-        cmd += [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
-        cmd += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
+        task = [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
+        task += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
+    cmd += task
     env = step_env(os.environ)
     env.update(SCALETRAIN_THREADS=",".join(map(str, threads)), SCALETRAIN_PORT=str(port),
                **{LAUNCHED: str(time.time())}, **(script_env(run_dir, resume) if script else {}))
     if not het:  # srun takes a host file's hosts as every component's node list
         env.update(SLURM_HOSTFILE=str(hostfile))
-    step: list[subprocess.Popen] = []
+    step: list[subprocess.Popen] = []  # the job's step, then any step of replacements (start_orphans)
     got: list[int] = []
     started = time.time()
+    orphans = keep.Orphans(run_dir) if tolerant and cfg.cluster.replacements else None
+    spares = hosts[plan.nodes_total:]  # hosts of the allocation the plan leaves out
 
     def forward(sig, _frame):
         got.append(sig)
@@ -243,17 +258,25 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
         step.append(subprocess.Popen(cmd, env=env))
         for sig in got:  # arrived while srun was starting
             forward_signal(job, name, sig, step[0])
-        rc = step[0].wait()
+        while (rc := step[0].poll()) is None:
+            if orphans is not None and not got:
+                step += start_orphans(orphans.poll(), plan, cfg, hosts, spares, run_dir, job,
+                                      ["srun", f"--job-name={name}", "--kill-on-bad-exit=0", "--overlap",
+                                       "--cpu-bind=none", *task], env)
+            time.sleep(0.5)
+        for extra in step[1:]:  # replacements end with the job, at its final barrier
+            extra.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if step and step[0].poll() is None:  # never leave the step behind this process
-            step[0].terminate()  # srun kills the step's tasks on SIGTERM
-            try:
-                step[0].wait(60)
-            except subprocess.TimeoutExpired:
-                step[0].kill()
-                step[0].wait()
+        for p in step:
+            if p.poll() is None:  # never leave a step behind this process
+                p.terminate()  # srun kills the step's tasks on SIGTERM
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     if rc == EXIT_STOPPED and WARNING in got:
         requeue(job, run_dir)
     if rc not in (0, EXIT_STOPPED, 130):
@@ -265,6 +288,41 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
               f"srun's status {rc} is theirs", flush=True)
         return 0
     return rc
+
+
+def start_orphans(ranks: list[int], plan, cfg: Config, hosts: list[str], spares: list[str], run_dir: Path, job: str,
+                  srun: list[str], env: dict) -> list[subprocess.Popen]:
+    """Start again, as replacements, the dropped ranks no keeper answered for (launch/keep.Orphans: their
+    task or their node is gone), a step of one node for each plan node's: on its own host while Slurm
+    holds it up, else on a spare host of the allocation, while cluster.replacements lasts."""
+    steps = []
+    for node in sorted({plan.procs[r].node for r in ranks}):
+        mine = [r for r in ranks if plan.procs[r].node == node]
+        given = [r for r in mine if keep.take_one(run_dir, f"slurm-{job}", cfg.cluster.replacements)]
+        host = hosts[node] if node_up(hosts[node]) else next((h for h in spares if node_up(h)), None)
+        who = ", ".join(plan.describe(r) for r in mine)
+        if not given or host is None:
+            print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); the job goes on "
+                  f"without it ({'no replacement left' if not given else 'no host of the allocation is up'})",
+                  flush=True)
+            continue
+        if host in spares:
+            spares.remove(host)
+        print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); started a "
+              f"replacement step on {host}; it joins at a step boundary", flush=True)
+        step_env = {k: v for k, v in env.items() if k != "SLURM_HOSTFILE"}
+        step_env.update({RANKS: ",".join(map(str, given)), LATE: str(time.time())})
+        steps.append(subprocess.Popen([*srun[:1], "--nodes=1", f"--ntasks={len(given)}", f"--nodelist={host}",
+                                       *srun[1:]], env=step_env))
+    return steps
+
+
+def node_up(host: str) -> bool:
+    """Whether Slurm holds `host` up: not down, drained, failing or silent."""
+    r = subprocess.run(["scontrol", "-o", "show", "node", host], capture_output=True, text=True)
+    state = re.search(r"\bState=(\S+)", r.stdout)
+    return not r.returncode and state is not None and \
+        not re.search(r"DOWN|DRAIN|FAIL|NOT_RESPONDING|\*", state.group(1))
 
 
 def rendezvous_port(cfg: Config, job: str, host: str, env) -> int:
@@ -350,8 +408,9 @@ def forward_signal(job: str, name: str, sig: int, step: subprocess.Popen) -> Non
     while step.poll() is None and time.monotonic() < deadline:
         q = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True)
         ids = [line.split()[0] for line in q.stdout.splitlines() if line.split()[1:] == [name]]
-        if ids:  # scancel fails only for a step that is ending already
-            subprocess.run(["scancel", f"--signal={sig_name}", ids[0]], capture_output=True)
+        for i in ids:  # the job's step and any of replacements; scancel fails only for a step that is ending
+            subprocess.run(["scancel", f"--signal={sig_name}", i], capture_output=True)
+        if ids:
             return
         time.sleep(0.5)
     if step.poll() is None:

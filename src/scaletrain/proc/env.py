@@ -33,8 +33,11 @@ from ..strategies.traits import entry
 
 RUN_DIR_ENV, RESUME_ENV = "SCALETRAIN_RUN_DIR", "SCALETRAIN_RESUME"  # script_env
 PLAN_NODE_ENV = "SCALETRAIN_PLAN_NODE"  # a user's script under torchrun: its agent's node in the plan
-# A replacement the local launcher started for a dropped rank (comm/ring.py): when it started it (time.time())
+# A replacement of a dropped rank, started by the local launcher or a rank's keeper (launch/keep.py):
+# when it was started (time.time())
 LATE = "SCALETRAIN_REPLACES"
+# The ranks of a Slurm step of replacements (launch/slurm.start_orphans), by task: comma-separated
+RANKS = "SCALETRAIN_RANKS"
 
 
 @dataclass(frozen=True)
@@ -177,20 +180,22 @@ def _torchrun_rendezvous(plan: Plan, node: int | None, env) -> Rendezvous:
                           f"started {local_world}: use --nproc-per-node={len(here)} there")
     _check_world(plan, _int(env, "WORLD_SIZE"), "torchrun's WORLD_SIZE")
     return Rendezvous(here[local].rank, plan.world_size, env["MASTER_ADDR"], _int(env, "MASTER_PORT"),
-                env["TORCHELASTIC_RUN_ID"], "torchrun")
+                      env["TORCHELASTIC_RUN_ID"], "torchrun", bool(env.get(LATE)))
 
 
 def _slurm_rendezvous(plan: Plan, master_port: int, env) -> Rendezvous:
     rank, world, node = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NODEID")
+    if env.get(RANKS):  # a step of replacements of one plan node, on its host or a spare (launch/slurm.py)
+        rank, world, node = int(env[RANKS].split(",")[rank]), plan.world_size, None
     _check_world(plan, world, "SLURM_NTASKS")
     want = plan.procs[rank].node
-    if node != want:
+    if node is not None and node != want:
         raise LaunchError(f"Slurm placed {plan.describe(rank)} on its node index {node}, the plan on {want}: "
                           "start the job with `scaletrain slurm` (it places tasks in plan order)")
     hosts = slurm_hosts(plan, env)
     job = env.get("SLURM_JOB_ID", "0")
     port = int(env.get("SCALETRAIN_PORT") or master_port or slurm_port(job))  # run_job's, where it started the step
-    return Rendezvous(rank, world, hosts[0], port, f"slurm-{job}", "slurm")
+    return Rendezvous(rank, world, hosts[0], port, f"slurm-{job}", "slurm", bool(env.get(LATE)))
 
 
 def run_dir_for(recipe: str, given: str | None, cfg) -> Path:
