@@ -47,6 +47,12 @@ word names) beside the rank that should be:
   survive-kill-ps-sync, survive-kill-ps-mixed-async
                                        kill -9 of PS shard 1 of 2 with
       survive_loss: shard 0 takes it on; heal_s, updates_lost from lost_workers
+  replace-kill-torchrun, survive-kill-torchrun
+                                       three torchrun agents, allreduce with
+      survive_loss: node 3's worker killed -9; its keeper (launch/keep.py)
+      replaces it on its node (or, without replacements, ends 0): every
+      agent's status, detect_s, heal_s, and the replacement's start_s, wait_s,
+      adopt_s and the survivors' pause_s (summary.json)
   load-allreduce-8x2, -16x2            16 and 32 processes, emulated compute
       0.05 s, the default cluster.timeout_s: start_s (launch -> the chief's
       "data ready, training"), first_row_s (-> first metrics row), total_s
@@ -64,6 +70,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -357,6 +364,42 @@ def lost_shard(tmp: Path, strategy: str) -> dict:
     return dict(row, right=rc == 0 and row["target_reached"] and row["orphans"] == 0 and "shard" in lost)
 
 
+def torchrun_replacement(tmp: Path, replace: int = 1) -> dict:
+    """Three torchrun agents of an allreduce job with cluster.survive_loss: kill -9 of node 3's worker, which
+    its keeper (launch/keep.py) replaces on its node; the times from summary.json's lost and joined rows."""
+    run_dir = tmp / f"torchrun-{replace}"
+    sets = [*BASE, "strategy.name=allreduce", "cluster.nodes=3", "cluster.survive_loss=true",
+            f"cluster.replacements={replace}", "cluster.max_restarts=0", "train.steps=150",
+            "train.emulate_compute_s=0.1", "train.checkpoint_every=10"]
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        sets.append(f"cluster.master_port={sk.getsockname()[1]}")
+    plan = subprocess.run([sys.executable, "-m", "scaletrain.cli", "plan", "--recipe", "recipes/digits.toml",
+                           "--format", "torchrun", "--run-dir", str(run_dir), *(a for x in sets for a in ("--set", x))],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    agents = [subprocess.Popen(c, shell=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for c in plan.stdout.splitlines() if c.startswith("torchrun ")]
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 120
+    while not (metrics.exists() and sum('"train"' in r for r in metrics.read_text().splitlines()) >= 3) \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    worker = next(d for d in (json.loads(f.read_text()) for f in (run_dir / "logs").glob("rank*.json"))
+                  if d["role"] == "worker" and d["index"] == 2)
+    os.kill(worker["pid"], signal.SIGKILL)
+    rcs = [a.wait(timeout=300) for a in agents]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lost, joined = (summary.get("lost_workers") or [{}])[0], (summary.get("joined_workers") or [{}])[0]
+    ends = {w["weights_sum"] for w in summary["per_worker"]}
+    row = dict(fault="kill -9 worker 2 (node 3) under torchrun, survive_loss", strategy="allreduce",
+               replacements=replace, agents_exit=rcs, detect_s=lost.get("detect_s"), steps_lost=lost.get("steps_lost"),
+               heal_s=lost.get("heal_s"), **{k: joined.get(k) for k in ("start_s", "wait_s", "adopt_s", "pause_s")},
+               replicas_at_end=len(summary["per_worker"]), one_model=len(ends) == 1,
+               target_reached=summary.get("images_applied", 0) >= 150 * 3 * 32)
+    return dict(row, right=rcs == [0, 0, 0] and row["one_model"] and row["target_reached"]
+                and row["replicas_at_end"] == 2 + replace)
+
+
 def smaller_restart(tmp: Path) -> dict:
     """kill -9 of worker 2 of a 3-node allreduce job with cluster.min_nodes=2: it restarts on 2 nodes."""
     run_dir = tmp / "smaller-allreduce"
@@ -513,6 +556,8 @@ SCENARIOS = {
     "survive-kill-async-allreduce": lambda t: lost_node(t, "async-allreduce", signal.SIGKILL, survive=True),
     "survive-kill-ps-sync": lambda t: lost_shard(t, "sync"),
     "survive-kill-ps-mixed-async": lambda t: lost_shard(t, "mixed-async"),
+    "replace-kill-torchrun": torchrun_replacement,
+    "survive-kill-torchrun": lambda t: torchrun_replacement(t, 0),
     "load-allreduce-8x2": lambda t: load(t, 8),
     "load-allreduce-16x2": lambda t: load(t, 16),
 }
