@@ -102,7 +102,7 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
     try:
         child.append(start(False))
         joining = rdzv.late  # a keeper a launcher started as a replacement (launch/slurm.start_orphans)
-        answered = False
+        answered = frozen = False  # frozen: this keeper killed its child, dropped while still running
         while True:
             rc = child[-1].poll()
             dropped = rank in dropped_since(run_dir, began)
@@ -112,6 +112,7 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
             if rc is None:
                 if dropped and not joining:  # frozen, or woken too late: the job went on without it
                     child[-1].kill()
+                    frozen = True
                 time.sleep(POLL_S)
                 continue
             if rc in (0, EXIT_STOPPED, 130) or got:
@@ -131,15 +132,15 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
             if not dropped:
                 return rc
             k = take_one(run_dir, rdzv.job, cfg.cluster.replacements)
+            how = describe_exit(plan, rank, None if frozen else rc)
             if not k:  # its part of the job is over: the launcher must not take it for the job's failure
-                print(f"scaletrain: {describe_exit(plan, rank, rc)}; the job goes on without it", file=sys.stderr,
-                      flush=True)
+                print(f"scaletrain: {how}; the job goes on without it", file=sys.stderr, flush=True)
                 return 0
             (run_dir / "logs" / f"exited-{rank}").unlink(missing_ok=True)  # before it runs: not dropped again
             child.append(start(True))
-            joining = True
-            print(f"scaletrain: {describe_exit(plan, rank, rc)}; started a replacement on this node "
-                  f"({k}/{cfg.cluster.replacements}); it joins at a step boundary", file=sys.stderr, flush=True)
+            joining, frozen = True, False
+            print(f"scaletrain: {how}; started a replacement on this node ({k}/{cfg.cluster.replacements}); it joins "
+                  "at a step boundary", file=sys.stderr, flush=True)
     finally:
         if child and child[-1].poll() is None:  # never left behind this process
             child[-1].kill()
