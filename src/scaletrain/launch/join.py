@@ -137,7 +137,7 @@ def ending(ctx: Context, exc: BaseException | None) -> int:
 def join_or_exit(cfg, run_dir: Path, resume: bool, progress: bool, node: int | None) -> Context:
     """join() for a process that runs the user's loop: a process that could not join exits with its
     status, and a parameter server's serves its shard and exits; a worker gets its Context."""
-    if keep.wanted(cfg):  # under torchrun or srun, with replacements: this process keeps the rank (keep.py)
+    if keep.wanted(cfg):  # under torchrun or srun, a job that goes on without a lost process: keep the rank
         exit_now(kept(cfg, run_dir, node))
     ctx = join(cfg, run_dir, progress, node)
     if isinstance(ctx, int):

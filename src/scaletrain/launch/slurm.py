@@ -298,12 +298,12 @@ def start_orphans(ranks: list[int], plan, cfg: Config, hosts: list[str], spares:
     steps = []
     for node in sorted({plan.procs[r].node for r in ranks}):
         mine = [r for r in ranks if plan.procs[r].node == node]
-        given = [r for r in mine if keep.take_one(run_dir, f"slurm-{job}", cfg.cluster.replacements)]
         host = hosts[node] if node_up(hosts[node]) else next((h for h in spares if node_up(h)), None)
+        given = [r for r in mine if host and keep.take_one(run_dir, f"slurm-{job}", cfg.cluster.replacements)]
         who = ", ".join(plan.describe(r) for r in mine)
         if not given or host is None:
             print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); the job goes on "
-                  f"without it ({'no replacement left' if not given else 'no host of the allocation is up'})",
+                  f"without it ({'no host of the allocation is up' if host is None else 'no replacement left'})",
                   flush=True)
             continue
         if host in spares:
