@@ -22,7 +22,10 @@ own, or a rank the job cannot go on without) ends the keeper at once with its st
 launcher to act on.
 A child killed by a signal, in a rank the job may go on without, is said in logs/exited-R: the chief
 drops it at once, as after the local launcher's note, instead of after cluster.timeout_s of silence.
-The keeper passes the job's stop signals on to its child, and its child dies with it.
+A replacement that ends before the chief admits it is itself replaced while the budget lasts.
+The keeper passes the job's stop signals on to its child, each as it comes (the child acts on the
+first), and its child dies with it. A user's script (job.Job.from_env) runs in both: what it does
+before Job.from_env, it does twice.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import EXIT_STOPPED
+from ..errors import EXIT_PEER, EXIT_STOPPED
 from ..proc import early
 from ..proc.env import LATE, in_slurm_step, in_torchrun
 from ..proc.parent import die_with_parent
 from ..strategies import traits
-from .local import describe_exit, read_ranks, stop_signals_of, write_ranks
+from .local import describe_exit, stop_signals_of, write_ranks
 
 KEPT = "SCALETRAIN_KEPT"  # in the kept child's environment: it joins the job itself
 POLL_S = 0.2
@@ -51,15 +54,29 @@ def wanted(cfg, env=os.environ) -> bool:
     return traits.tolerant(cfg) and (in_torchrun(env) or in_slurm_step(env)) and not env.get(KEPT)
 
 
-def dropped_since(run_dir: Path, began: float) -> list[int]:
-    """The ranks the chief dropped, from a note written since `began`: under torchrun no launcher clears
-    an earlier run's note from a run directory resumed."""
+def ranks_in(path: Path) -> list[int] | None:
+    """The ranks a note lists; [] where there is none yet, None where it could not be read now (a
+    file system's passing error): the reader keeps what it knew."""
     try:
-        if (run_dir / "logs" / "dropped").stat().st_mtime < began:
-            return []
-    except OSError:
+        return [int(r) for r in path.read_text().split(",") if r.strip()]
+    except FileNotFoundError:
         return []
-    return read_ranks(run_dir, "dropped")
+    except (OSError, ValueError):
+        return None
+
+
+def dropped_since(run_dir: Path, began: float) -> list[int] | None:
+    """The ranks the chief dropped (ranks_in), from a note written since `began`: under torchrun no
+    launcher clears an earlier run's note from a run directory resumed."""
+    path = run_dir / "logs" / "dropped"
+    try:
+        if path.stat().st_mtime < began:
+            return []
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return None
+    return ranks_in(path)
 
 
 def take_one(run_dir: Path, job: str, budget: int) -> int:
@@ -73,17 +90,38 @@ def take_one(run_dir: Path, job: str, budget: int) -> int:
     return 0
 
 
+def budget(cfg, rdzv) -> int:
+    """cluster.replacements, or 0 where a replacement could not join: torchrun without its agent's store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, comm/groups.py), said once by the chief's keeper."""
+    if rdzv.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or \
+            not cfg.cluster.replacements:
+        return cfg.cluster.replacements
+    if rdzv.rank == 0:
+        print(f"scaletrain: warning: cluster.replacements = {cfg.cluster.replacements}: this torchrun shares no "
+              "store of its agent with the job (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), so no replacement can join; "
+              "the job goes on without a lost process", file=sys.stderr, flush=True)
+    return 0
+
+
+def status(rc: int) -> int:
+    """A child's end as a shell gives it: 128 + N for one killed by signal N."""
+    return 128 - rc if rc < 0 else rc
+
+
 def run(cfg, run_dir: Path, plan, rdzv) -> int:
     """Keep rank rdzv.rank of the job to its end; the exit status of its last child."""
-    rank, grace = rdzv.rank, cfg.cluster.timeout_s + 5
+    rank, grace, allowed = rdzv.rank, cfg.cluster.timeout_s + 5, budget(cfg, rdzv)
     sigs = sorted({*stop_signals_of(cfg.cluster.stopping), signal.SIGINT})
     got: list[int] = []
     child: list[subprocess.Popen] = []
+    exited = run_dir / "logs" / f"exited-{rank}"
 
     def forward(signum, _frame):
+        # Passed on as it came, each time: a stop signal can come more than once (under Slurm, to every
+        # process of the step and again from the batch step), and the child acts on the first.
         got.append(signum)
         if child and child[-1].poll() is None:
-            child[-1].send_signal(signum if len(got) == 1 else signal.SIGKILL)
+            child[-1].send_signal(signum)
 
     before = {s: signal.signal(s, forward) for s in sigs}
     came = early.take(before)
@@ -99,16 +137,21 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
             p.send_signal(got[0])
         return p
 
+    def is_dropped(known: bool) -> bool:
+        now = dropped_since(run_dir, began)
+        return known if now is None else rank in now
+
     try:
         child.append(start(False))
         joining = rdzv.late  # a keeper a launcher started as a replacement (launch/slurm.start_orphans)
-        answered = frozen = False  # frozen: this keeper killed its child, dropped while still running
+        answered = frozen = dropped = False  # frozen: this keeper killed its child, dropped while still running
         while True:
             rc = child[-1].poll()
-            dropped = rank in dropped_since(run_dir, began)
+            dropped = is_dropped(dropped)
             if dropped and not answered:  # this keeper is alive: the launcher leaves the rank to it (Orphans)
                 (run_dir / "logs" / f"kept-{rank}").write_text(f"{time.time()}\n")
-            answered, joining = dropped, joining and dropped  # admitted: a member again, which a later drop lists anew
+            answered, was_joining = dropped, joining
+            joining = joining and dropped  # admitted: a member again, which a later drop lists anew
             if rc is None:
                 if dropped and not joining:  # frozen, or woken too late: the job went on without it
                     child[-1].kill()
@@ -116,64 +159,74 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
                 time.sleep(POLL_S)
                 continue
             if rc in (0, EXIT_STOPPED, 130) or got:
-                return rc
-            if joining:
-                print(f"scaletrain: the replacement for {plan.describe(rank)} ended before it joined "
-                      f"({describe_exit(plan, rank, rc).split(') ', 1)[1]})", file=sys.stderr, flush=True)
-                return rc
-            if not dropped and (rc > 0 or not traits.survivable(cfg, plan, set(traits.lost_with(plan, rank)))):
-                return rc  # a failure the process said (its peers heard it), or one the job cannot go on from
-            if not dropped:  # dead for sure: the chief drops it at once (comm/liveness.py), no silence waited out
-                write_ranks(run_dir, f"exited-{rank}", [rank])
-            deadline = time.monotonic() + grace  # the chief's word comes within cluster.timeout_s
-            while not dropped and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-                dropped = rank in dropped_since(run_dir, began)
-            if not dropped:
-                return rc
-            k = take_one(run_dir, rdzv.job, cfg.cluster.replacements)
+                return status(rc)
             how = describe_exit(plan, rank, None if frozen else rc)
+            if was_joining:  # the job went on without the rank and goes on so: another, or none
+                print(f"scaletrain: the replacement for {plan.describe(rank)} ended before it joined "
+                      f"({how.split(') ', 1)[1]})", file=sys.stderr, flush=True)
+            elif not dropped and (rc > 0 and rc != EXIT_PEER or
+                                  not traits.survivable(cfg, plan, set(traits.lost_with(plan, rank)))):
+                return status(rc)  # a failure the process said (its peers heard it), or one the job cannot go on from
+            if not dropped and rc < 0:  # dead for sure: the chief drops it at once (comm/liveness.py)
+                write_ranks(run_dir, exited.name, [rank])
+            deadline = time.monotonic() + grace  # the chief's word comes within cluster.timeout_s
+            while not dropped and time.monotonic() < deadline and not got:
+                time.sleep(POLL_S)
+                dropped = is_dropped(dropped)
+            if not dropped or got:
+                return status(rc)
+            k = take_one(run_dir, rdzv.job, allowed)
             if not k:  # its part of the job is over: the launcher must not take it for the job's failure
                 print(f"scaletrain: {how}; the job goes on without it", file=sys.stderr, flush=True)
                 return 0
-            (run_dir / "logs" / f"exited-{rank}").unlink(missing_ok=True)  # before it runs: not dropped again
+            exited.unlink(missing_ok=True)  # before it runs: the chief must not drop it again
             child.append(start(True))
             joining, frozen = True, False
-            print(f"scaletrain: {how}; started a replacement on this node ({k}/{cfg.cluster.replacements}); it joins "
-                  "at a step boundary", file=sys.stderr, flush=True)
+            print(f"scaletrain: {how}; started a replacement on this node ({k}/{allowed}); it joins at a step "
+                  "boundary", file=sys.stderr, flush=True)
     finally:
         if child and child[-1].poll() is None:  # never left behind this process
             child[-1].kill()
             child[-1].wait()
+        exited.unlink(missing_ok=True)  # said for the chief: not for a replacement another launcher starts
         for s, h in before.items():
             signal.signal(s, h)
 
 
 class Orphans:
     """Ranks the chief dropped whose keeper did not answer within `wait_s` (logs/kept-R): gone with
-    their task or their node. The launcher of the job's step (launch/slurm.py) starts them again."""
+    their task or their node. The launcher of the job's step (launch/slurm.py) starts them again. The
+    answer is weighed against the `dropped` note's time, both stamped by the file system that holds
+    them, not against this host's clock."""
 
     def __init__(self, run_dir: Path, wait_s: float = 5.0) -> None:
         self.run_dir, self.wait_s = run_dir, wait_s
-        self.seen: dict[int, float] = {}  # rank -> when this launcher first saw it dropped
+        self.seen: dict[int, tuple[float, float]] = {}  # rank -> (first seen dropped, the note's time then)
         self.taken: set[int] = set()  # handed to the launcher, until the chief admits them or drops them anew
 
     def poll(self, now: float | None = None) -> list[int]:
         """The ranks orphaned since the last call."""
         now = time.time() if now is None else now
-        dropped = set(read_ranks(self.run_dir, "dropped"))
-        for r in set(self.seen) - dropped:  # admitted (a replacement joined): a later drop counts anew
+        path = self.run_dir / "logs" / "dropped"
+        listed = ranks_in(path)
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            written = None
+        if listed is None or listed and written is None:  # not read now: nothing learnt
+            return []
+        for r in set(self.seen) - set(listed):  # admitted (a replacement joined): a later drop counts anew
             del self.seen[r]
             self.taken.discard(r)
-        for r in dropped:
-            self.seen.setdefault(r, now)
-        out = sorted(r for r, t in self.seen.items()
-                     if r not in self.taken and now - t > self.wait_s and not self._answered(r, t))
+        for r in listed:
+            self.seen.setdefault(r, (now, written))
+        out = sorted(r for r, (t, w) in self.seen.items()
+                     if r not in self.taken and now - t > self.wait_s and not self._answered(r, w))
         self.taken.update(out)
         return out
 
-    def _answered(self, rank: int, since: float) -> bool:
-        try:  # its keeper writes it as it sees the drop, which it may see a poll before the launcher does
-            return (self.run_dir / "logs" / f"kept-{rank}").stat().st_mtime >= since - 2.0
+    def _answered(self, rank: int, written: float) -> bool:
+        try:  # written after the drop it answers; the note may have been written again since, for another
+            return (self.run_dir / "logs" / f"kept-{rank}").stat().st_mtime >= written - 2.0
         except OSError:
             return False

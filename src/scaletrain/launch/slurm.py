@@ -210,7 +210,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     hosts = slurm_hosts(plan, os.environ, exclude)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for note in [*(run_dir / "logs").glob("rank*.lost"), *(run_dir / "logs").glob("exited-*"),
-                 *(run_dir / "logs").glob("kept-*"), run_dir / "logs" / "dropped",
+                 *(run_dir / "logs").glob("kept-*"), *(run_dir / "logs").glob(f"replacement-slurm-{job}-*"),
+                 run_dir / "logs" / "dropped",
                  run_dir / "logs" / "exited"]:  # an earlier attempt's (exited: a local launcher's; launch/keep.py)
         note.unlink(missing_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))  # what every process of the step reads
@@ -265,7 +266,12 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
                                        "--cpu-bind=none", *task], env)
             time.sleep(0.5)
         for extra in step[1:]:  # replacements end with the job, at its final barrier
-            extra.wait()
+            try:
+                extra.wait(cfg.cluster.timeout_s + 60)
+            except subprocess.TimeoutExpired:  # a step Slurm never started, or a process stuck: ended below
+                print(f"scaletrain: a step of replacements still ran {cfg.cluster.timeout_s + 60:.0f} s after the "
+                      "job's end: cancelled", file=sys.stderr, flush=True)
+                break
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -310,6 +316,8 @@ def start_orphans(ranks: list[int], plan, cfg: Config, hosts: list[str], spares:
             spares.remove(host)
         print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); started a "
               f"replacement step on {host}; it joins at a step boundary", flush=True)
+        for r in given:  # a keeper's note of an earlier loss: the chief must not drop the replacement again
+            (run_dir / "logs" / f"exited-{r}").unlink(missing_ok=True)
         step_env = {k: v for k, v in env.items() if k != "SLURM_HOSTFILE"}
         step_env.update({RANKS: ",".join(map(str, given)), LATE: str(time.time())})
         steps.append(subprocess.Popen([*srun[:1], "--nodes=1", f"--ntasks={len(given)}", f"--nodelist={host}",
