@@ -15,15 +15,19 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="not root: the emulate
                                 "to start munged and slurmd")
 
 
-@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.xfail(
+@pytest.mark.parametrize("full,kept", [(False, False), pytest.param(True, False, marks=pytest.mark.xfail(
     strict=True, reason="srun answers a SIGTERM of its own by killing its step's tasks, whatever handling "
-                        "of the signal it inherits (docs/fault-tolerance.md)"))], ids=["steps", "full"])
-def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(cluster, tmp_path, full):  # noqa: F811
+                        "of the signal it inherits (docs/fault-tolerance.md)")), (False, True)],
+    ids=["steps", "full", "steps-kept"])
+def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(cluster, tmp_path, full, kept):  # noqa: F811
     """full: `scancel --full`, as a time limit or a preemption signals a job: the batch script's
-    processes too, srun among them. Not a stop yet: the xfail says why, and fails when it becomes one."""
+    processes too, srun among them. Not a stop yet: the xfail says why, and fails when it becomes one.
+    kept: a job that goes on without a lost process, whose tasks keep their ranks (launch/keep.py): the
+    keeper gets the signal as its child does, and passes it on; the child stops once, at a checkpoint."""
     run_dir = tmp_path / "run"
     p, job = start(cluster, run_dir, "cluster.nodes=2", "strategy.name=allreduce", "data.workers=1",
-                   "train.steps=100000", "train.log_every=1", args=("--time", "00:10:00", "--no-requeue"))
+                   "train.steps=100000", "train.log_every=1", *(["cluster.survive_loss=true"] if kept else []),
+                   args=("--time", "00:10:00", "--no-requeue"))
     wait_for_step(run_dir, 5)
     subprocess.run(["scancel", *(["--full"] if full else []), "--signal=TERM", job], env=cluster.env, check=True)
     out, err = p.communicate(timeout=120)
