@@ -107,7 +107,7 @@ def test_slurm_rendezvous():
         rendezvous(PLAN, "127.0.0.1", 0, env={**env, "SLURM_NODEID": "0"})
     with pytest.raises(LaunchError, match="SLURM_NTASKS = 4 but the plan has 5"):
         rendezvous(PLAN, "127.0.0.1", 0, env={**env, "SLURM_NTASKS": "4"})
-    # A step of replacements (launch/slurm.start_orphans): task i is the i-th rank given, on any node, late
+    # A step of replacements (launch/keep.start_orphans): task i is the i-th rank given, on any node, late
     again = rendezvous(PLAN, "127.0.0.1", 0, env={**env, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
                                                   "SCALETRAIN_RANKS": "1,4", "SCALETRAIN_REPLACES": "1.0"})
     assert (again.rank, again.world, again.addr, again.late) == (4, 5, "node3", True)

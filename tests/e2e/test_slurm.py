@@ -415,7 +415,7 @@ def test_a_killed_worker_is_replaced_and_joins_the_running_job(cluster, tmp_path
     """cluster.replacements under Slurm: each task keeps its rank (launch/keep.py). Node 3's worker killed -9: its
     keeper starts a replacement once the chief has dropped it. Its task killed whole (the keeper with it, as when
     its node fails): no keeper answers for the rank, and the batch step starts it again in a step of its own on a
-    host Slurm holds up (launch/slurm.start_orphans). Either way the replacement joins the running job with a live
+    host Slurm holds up (launch/keep.start_orphans). Either way the replacement joins the running job with a live
     replica's state, and the job completes with its three nodes and one model: no restart, no requeue."""
     run_dir = tmp_path / "replaced"
     p, job = start(cluster, run_dir, "cluster.nodes=3", "strategy.name=allreduce", "cluster.survive_loss=true",

@@ -31,6 +31,7 @@ before Job.from_env, it does twice.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from ..errors import EXIT_PEER, EXIT_STOPPED
 from ..proc import early
-from ..proc.env import LATE, in_slurm_step, in_torchrun
+from ..proc.env import LATE, RANKS, in_slurm_step, in_torchrun
 from ..proc.parent import die_with_parent
 from ..strategies import traits
 from .local import describe_exit, stop_signals_of, write_ranks
@@ -143,7 +144,7 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
 
     try:
         child.append(start(False))
-        joining = rdzv.late  # a keeper a launcher started as a replacement (launch/slurm.start_orphans)
+        joining = rdzv.late  # a keeper a launcher started as a replacement (start_orphans)
         answered = frozen = dropped = False  # frozen: this keeper killed its child, dropped while still running
         while True:
             rc = child[-1].poll()
@@ -230,3 +231,40 @@ class Orphans:
             return (self.run_dir / "logs" / f"kept-{rank}").stat().st_mtime >= written - 2.0
         except OSError:
             return False
+
+
+def start_orphans(ranks: list[int], plan, cfg, hosts: list[str], spares: list[str], run_dir: Path, job: str,
+                  srun: list[str], env: dict) -> list[subprocess.Popen]:
+    """Start again, as replacements, the dropped ranks no keeper answered for (Orphans: their
+    task or their node is gone), a step of one node for each plan node's: on its own host while Slurm
+    holds it up, else on a spare host of the allocation, while cluster.replacements lasts."""
+    steps = []
+    for node in sorted({plan.procs[r].node for r in ranks}):
+        mine = [r for r in ranks if plan.procs[r].node == node]
+        host = hosts[node] if node_up(hosts[node]) else next((h for h in spares if node_up(h)), None)
+        given = [r for r in mine if host and take_one(run_dir, f"slurm-{job}", cfg.cluster.replacements)]
+        who = ", ".join(plan.describe(r) for r in mine)
+        if not given or host is None:
+            print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); the job goes on "
+                  f"without it ({'no host of the allocation is up' if host is None else 'no replacement left'})",
+                  flush=True)
+            continue
+        if host in spares:
+            spares.remove(host)
+        print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); started a "
+              f"replacement step on {host}; it joins at a step boundary", flush=True)
+        for r in given:  # a keeper's note of an earlier loss: the chief must not drop the replacement again
+            (run_dir / "logs" / f"exited-{r}").unlink(missing_ok=True)
+        step_env = {k: v for k, v in env.items() if k != "SLURM_HOSTFILE"}
+        step_env.update({RANKS: ",".join(map(str, given)), LATE: str(time.time())})
+        steps.append(subprocess.Popen([*srun[:1], "--nodes=1", f"--ntasks={len(given)}", f"--nodelist={host}",
+                                       *srun[1:]], env=step_env))
+    return steps
+
+
+def node_up(host: str) -> bool:
+    """Whether Slurm holds `host` up: not down, drained, failing or silent."""
+    r = subprocess.run(["scontrol", "-o", "show", "node", host], capture_output=True, text=True)
+    state = re.search(r"\bState=(\S+)", r.stdout)
+    return not r.returncode and state is not None and \
+        not re.search(r"DOWN|DRAIN|FAIL|NOT_RESPONDING|\*", state.group(1))

@@ -41,7 +41,7 @@ What the script asks of Slurm, and why:
   failed node ends its own tasks, not the allocation; the step has --no-kill too. Each task
   keeps its rank (launch/keep.py): a process it loses is replaced on its node. A rank the
   chief dropped that no keeper answers for (its task or its node gone) is started again by
-  `run_job` in a step of its own (`start_orphans`, srun --overlap), on its host while Slurm
+  `run_job` in a step of its own (keep.start_orphans, srun --overlap), on its host while Slurm
   holds it up, else on a host of the allocation the plan leaves out (a spare), while
   cluster.replacements lasts.
 
@@ -86,8 +86,7 @@ from ..plan import format_table, node_name
 from ..strategies import traits
 from . import flags, keep
 from ..proc import cpus, early, fabric
-from ..proc.env import (LATE, RANKS, LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts,
-                        slurm_port)
+from ..proc.env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
 from .local import check_port, free_port, read_ranks, write_failure
@@ -241,7 +240,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
                **{LAUNCHED: str(time.time())}, **(script_env(run_dir, resume) if script else {}))
     if not het:  # srun takes a host file's hosts as every component's node list
         env.update(SLURM_HOSTFILE=str(hostfile))
-    step: list[subprocess.Popen] = []  # the job's step, then any step of replacements (start_orphans)
+    step: list[subprocess.Popen] = []  # the job's step, then any step of replacements (keep.start_orphans)
     got: list[int] = []
     started = time.time()
     orphans = keep.Orphans(run_dir) if tolerant and cfg.cluster.replacements else None
@@ -261,7 +260,7 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
             forward_signal(job, name, sig, step[0])
         while (rc := step[0].poll()) is None:
             if orphans is not None and not got:
-                step += start_orphans(orphans.poll(), plan, cfg, hosts, spares, run_dir, job,
+                step += keep.start_orphans(orphans.poll(), plan, cfg, hosts, spares, run_dir, job,
                                       ["srun", f"--job-name={name}", "--kill-on-bad-exit=0", "--overlap",
                                        "--cpu-bind=none", *task], env)
             time.sleep(0.5)
@@ -294,43 +293,6 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
               f"srun's status {rc} is theirs", flush=True)
         return 0
     return rc
-
-
-def start_orphans(ranks: list[int], plan, cfg: Config, hosts: list[str], spares: list[str], run_dir: Path, job: str,
-                  srun: list[str], env: dict) -> list[subprocess.Popen]:
-    """Start again, as replacements, the dropped ranks no keeper answered for (launch/keep.Orphans: their
-    task or their node is gone), a step of one node for each plan node's: on its own host while Slurm
-    holds it up, else on a spare host of the allocation, while cluster.replacements lasts."""
-    steps = []
-    for node in sorted({plan.procs[r].node for r in ranks}):
-        mine = [r for r in ranks if plan.procs[r].node == node]
-        host = hosts[node] if node_up(hosts[node]) else next((h for h in spares if node_up(h)), None)
-        given = [r for r in mine if host and keep.take_one(run_dir, f"slurm-{job}", cfg.cluster.replacements)]
-        who = ", ".join(plan.describe(r) for r in mine)
-        if not given or host is None:
-            print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); the job goes on "
-                  f"without it ({'no host of the allocation is up' if host is None else 'no replacement left'})",
-                  flush=True)
-            continue
-        if host in spares:
-            spares.remove(host)
-        print(f"scaletrain: {who}: no keeper answered for it (its task or its node is gone); started a "
-              f"replacement step on {host}; it joins at a step boundary", flush=True)
-        for r in given:  # a keeper's note of an earlier loss: the chief must not drop the replacement again
-            (run_dir / "logs" / f"exited-{r}").unlink(missing_ok=True)
-        step_env = {k: v for k, v in env.items() if k != "SLURM_HOSTFILE"}
-        step_env.update({RANKS: ",".join(map(str, given)), LATE: str(time.time())})
-        steps.append(subprocess.Popen([*srun[:1], "--nodes=1", f"--ntasks={len(given)}", f"--nodelist={host}",
-                                       *srun[1:]], env=step_env))
-    return steps
-
-
-def node_up(host: str) -> bool:
-    """Whether Slurm holds `host` up: not down, drained, failing or silent."""
-    r = subprocess.run(["scontrol", "-o", "show", "node", host], capture_output=True, text=True)
-    state = re.search(r"\bState=(\S+)", r.stdout)
-    return not r.returncode and state is not None and \
-        not re.search(r"DOWN|DRAIN|FAIL|NOT_RESPONDING|\*", state.group(1))
 
 
 def rendezvous_port(cfg: Config, job: str, host: str, env) -> int:

@@ -36,7 +36,7 @@ PLAN_NODE_ENV = "SCALETRAIN_PLAN_NODE"  # a user's script under torchrun: its ag
 # A replacement of a dropped rank, started by the local launcher or a rank's keeper (launch/keep.py):
 # when it was started (time.time())
 LATE = "SCALETRAIN_REPLACES"
-# The ranks of a Slurm step of replacements (launch/slurm.start_orphans), by task: comma-separated
+# The ranks of a Slurm step of replacements (launch/keep.start_orphans), by task: comma-separated
 RANKS = "SCALETRAIN_RANKS"
 
 
