@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, cfg, run_dir)
         if args.command == "slurm":
             return _slurm(args, cfg, run_dir)
+        from .launch import keep
+        if keep.wanted(cfg):  # under torchrun or srun: this process keeps its rank; its child, this command
+            return keep.kept(cfg, run_dir, args.plan_node)  # again, trains (torch loads there only)
         from .run import run_training
         summary = run_training(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan_node=args.plan_node)
     except REPORTED as e:

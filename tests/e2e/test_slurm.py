@@ -236,15 +236,20 @@ def start(cluster, run_dir, *overrides, args=("--time", "00:10:00")):
     raise AssertionError(f"not submitted: {p.communicate()}")
 
 
-def wait_for_step(run_dir, step, timeout=120.0):
-    """Until the chief has logged job step `step` (the job trains on every node by then)."""
+def wait_for_step(run_dir, step, p, timeout=120.0):
+    """Until the chief has logged job step `step` (the job trains on every node by then); a job (`p`, start's
+    `scaletrain slurm --wait`) that ended before fails at once, with its logs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
         if any(json.loads(r).get("step", 0) >= step for r in rows if r.strip()):
             return
+        if p.poll() is not None:
+            break
         time.sleep(0.2)
-    raise AssertionError(f"no step {step} in {run_dir / 'metrics.jsonl'} after {timeout:.0f} s")
+    logs = "\n".join(f.read_text() for f in sorted((run_dir / "logs").glob("*.out")))
+    raise AssertionError(f"no step {step} in {run_dir / 'metrics.jsonl'} after {timeout:.0f} s, or the job ended "
+                         f"(status {p.poll()}):\n{logs[-4000:]}")
 
 
 def job_field(cluster, job, key):
@@ -300,7 +305,7 @@ def test_script_asks_for_cpus_warning_requeue_and_time(cluster, tmp_path):
 def test_cancelled_job_says_cancelled(cluster, tmp_path):
     run_dir = tmp_path / "cancel"
     p, job = start(cluster, run_dir, "cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync", "train.steps=100000")
-    wait_for_step(run_dir, 5)
+    wait_for_step(run_dir, 5, p)
     subprocess.run(["scancel", job], env=cluster.env, check=True)
     t0 = time.monotonic()
     out, err = p.communicate(timeout=60)
@@ -372,7 +377,7 @@ def test_warning_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"
     ref, _ = start(cluster, ref_dir, *job_set)
     p, job = start(cluster, run_dir, *job_set)
-    wait_for_step(run_dir, 20)
+    wait_for_step(run_dir, 20, p)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True)
     out, err = p.communicate(timeout=240)
     logs = (run_dir / "logs" / f"slurm-{job}.out").read_text()
@@ -397,7 +402,7 @@ def test_an_asynchronous_job_goes_on_without_a_killed_worker_task(cluster, tmp_p
     run_dir = tmp_path / "lost"
     p, job = start(cluster, run_dir, "cluster.nodes=3", "cluster.num_ps=1", "strategy.name=mixed-async",
                    "train.steps=150", "cluster.timeout_s=5")
-    wait_for_step(run_dir, 15)
+    wait_for_step(run_dir, 15, p)
     worker = next(d for d in placement(run_dir) if d["role"] == "worker" and d["index"] == 2)
     os.kill(worker["pid"], 9)  # the emulated nodes share this machine
     out, err = p.communicate(timeout=240)
@@ -421,7 +426,7 @@ def test_a_killed_worker_is_replaced_and_joins_the_running_job(cluster, tmp_path
     p, job = start(cluster, run_dir, "cluster.nodes=3", "strategy.name=allreduce", "cluster.survive_loss=true",
                    "cluster.replacements=1", "cluster.max_restarts=0", "train.steps=200",
                    "train.emulate_compute_s=0.1", "train.checkpoint_every=10", "cluster.timeout_s=5")
-    wait_for_step(run_dir, 15)
+    wait_for_step(run_dir, 15, p)
     worker = next(d for d in placement(run_dir) if d["role"] == "worker" and d["index"] == 2)
     keeper = int(Path(f"/proc/{worker['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
     os.kill(keeper if whole else worker["pid"], 9)  # a keeper's process dies with it (parent-death signal)

@@ -29,7 +29,7 @@ def test_sigterm_to_every_process_of_a_job_with_loaders_is_a_stop(cluster, tmp_p
     p, job = start(cluster, run_dir, "cluster.nodes=2", "strategy.name=allreduce", "data.workers=1",
                    "train.steps=100000", "train.log_every=1", *(["cluster.survive_loss=true"] if kept else []),
                    args=("--time", "00:10:00", "--no-requeue"))
-    wait_for_step(run_dir, 5)
+    wait_for_step(run_dir, 5, p)
     for _ in range(2 if kept else 1):  # a stop can come more than once: the second is no kill
         subprocess.run(["scancel", *(["--full"] if full else []), "--signal=TERM", job], env=cluster.env, check=True)
     out, err = p.communicate(timeout=120)
@@ -48,7 +48,7 @@ def test_scontrol_requeue_of_a_job_with_loaders_resumes_from_its_stop(cluster, t
     run_dir = tmp_path / "run"
     p, job = start(cluster, run_dir, "cluster.nodes=2", "strategy.name=allreduce", "data.workers=1",
                    "train.steps=200", "train.log_every=1")
-    wait_for_step(run_dir, 5)
+    wait_for_step(run_dir, 5, p)
     subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
     out, err = p.communicate(timeout=240)
     logs = (run_dir / "logs" / f"slurm-{job}.out").read_text()

@@ -3,7 +3,7 @@
 import os
 
 from scaletrain.launch import keep
-from scaletrain.launch.local import write_ranks
+from scaletrain.launch.notes import write_ranks
 
 
 def test_the_budget_is_the_jobs_one_file_each_and_another_job_has_its_own(tmp_path):

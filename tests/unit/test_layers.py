@@ -146,3 +146,9 @@ def test_the_training_path_loads_nothing_of_the_study():
 def test_config_plan_and_strategy_traits_load_no_torch():
     """The launcher, `plan` and config validation read the strategies' traits without torch."""
     assert "torch" not in _loaded("import scaletrain.config, scaletrain.plan, scaletrain.strategies.traits")
+
+
+def test_a_keeper_loads_no_torch():
+    """A rank's keeper (launch/keep.py: a Slurm task's `python -m scaletrain.launch.keep`, or `scaletrain train`
+    under torchrun before it trains) holds a node's memory for the whole job: it imports no torch."""
+    assert "torch" not in _loaded("import scaletrain.launch.keep, scaletrain.cli")

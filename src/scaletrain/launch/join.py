@@ -35,7 +35,7 @@ from . import keep
 def join(cfg, run_dir: Path, progress: bool, node: int | None = None) -> Context | int:
     """Be one process of the job: find its rank and the rendezvous, join. Returns the job's Context,
     or the exit status of a process that could not join (the reason printed)."""
-    found = placed(cfg, node)
+    found = keep.placed(cfg, node)
     if isinstance(found, int):
         return found
     plan, rdzv = found
@@ -75,22 +75,6 @@ def join(cfg, run_dir: Path, progress: bool, node: int | None = None) -> Context
     # The workers decide when to stop; a PS shard's request reaches them through its replies.
     end.catch_stop_signals(ctx, cfg.cluster.stopping, escalate=False)
     return ctx
-
-
-def placed(cfg, node: int | None):
-    """(plan, rendezvous) of this process as its launcher placed it, or status 2 (the reason printed)."""
-    try:
-        plan = launch_env.plan_for(cfg)
-        return plan, launch_env.rendezvous(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
-    except (LaunchError, PlanError) as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
-        return 2
-
-
-def kept(cfg, run_dir: Path, node: int | None) -> int:
-    """Keep this process's rank (keep.run): the exit status of its last child."""
-    found = placed(cfg, node)
-    return found if isinstance(found, int) else keep.run(cfg, run_dir, *found)
 
 
 def serve(cfg, ctx: Context, run_dir: Path, resume: bool) -> None:
@@ -138,7 +122,7 @@ def join_or_exit(cfg, run_dir: Path, resume: bool, progress: bool, node: int | N
     """join() for a process that runs the user's loop: a process that could not join exits with its
     status, and a parameter server's serves its shard and exits; a worker gets its Context."""
     if keep.wanted(cfg):  # under torchrun or srun, a job that goes on without a lost process: keep the rank
-        exit_now(kept(cfg, run_dir, node))
+        exit_now(keep.kept(cfg, run_dir, node))
     ctx = join(cfg, run_dir, progress, node)
     if isinstance(ctx, int):
         exit_now(ctx)

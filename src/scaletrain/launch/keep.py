@@ -10,7 +10,9 @@ elastic/agent/server/api.py, `_invoke_run`): the whole job starts again. srun re
 The keeper restarts one process, on the node where it ran; the agent and the step never see it fail.
 
 The child runs this process's own command line (sys.orig_argv) with KEPT set, so it joins instead of
-keeping; a replacement also has LATE (proc/env.py). The chief's word is RUN_DIR/logs/dropped
+keeping; a replacement also has LATE (proc/env.py). A Slurm task of such a job is this module
+(`python -m scaletrain.launch.keep RUN_DIR`, launch/slurm.py), whose child is launch/entry.py's: it
+imports no torch, so a node's keepers cost it little memory and no start-up time. The chief's word is RUN_DIR/logs/dropped
 (comm/liveness.py), on the file system every node shares: a child still running when its rank is
 dropped (frozen, or woken too late) is killed, and a dropped child that ended is replaced while the
 job's budget lasts: one file logs/replacement-JOB-K each, made exclusively, K up to
@@ -30,6 +32,11 @@ before Job.from_env, it does twice.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a task of a Slurm step: stop signals held through the imports below
+    from ..proc.early import hold
+
+    hold()
+
 import os
 import re
 import signal
@@ -38,12 +45,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import EXIT_PEER, EXIT_STOPPED
-from ..proc import early
-from ..proc.env import LATE, RANKS, in_slurm_step, in_torchrun
+from ..config import load_config
+from ..errors import EXIT_PEER, EXIT_STOPPED, PlanError
+from ..proc import early, env as launch_env
+from ..proc.env import LATE, RANKS, LaunchError, in_slurm_step, in_torchrun
 from ..proc.parent import die_with_parent
 from ..strategies import traits
-from .local import describe_exit, stop_signals_of, write_ranks
+from .notes import describe_exit, ranks_in, stop_signals_of, write_ranks
 
 KEPT = "SCALETRAIN_KEPT"  # in the kept child's environment: it joins the job itself
 POLL_S = 0.2
@@ -55,15 +63,22 @@ def wanted(cfg, env=os.environ) -> bool:
     return traits.tolerant(cfg) and (in_torchrun(env) or in_slurm_step(env)) and not env.get(KEPT)
 
 
-def ranks_in(path: Path) -> list[int] | None:
-    """The ranks a note lists; [] where there is none yet, None where it could not be read now (a
-    file system's passing error): the reader keeps what it knew."""
+def placed(cfg, node: int | None):
+    """(plan, rendezvous) of this process as its launcher placed it, or status 2 (the reason printed)."""
     try:
-        return [int(r) for r in path.read_text().split(",") if r.strip()]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError):
-        return None
+        plan = launch_env.plan_for(cfg)
+        return plan, launch_env.rendezvous(plan, cfg.cluster.master_addr, cfg.cluster.master_port, node)
+    except (LaunchError, PlanError) as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def kept(cfg, run_dir: Path, node: int | None, command: list[str] | None = None) -> int:
+    """Keep this process's rank (run): the exit status of its last child, which runs `command` (this
+    process's own command line by default)."""
+    found = placed(cfg, node)
+    return found if isinstance(found, int) else run(cfg, run_dir, *found, command or
+                                                    [sys.executable, *sys.orig_argv[1:]])
 
 
 def dropped_since(run_dir: Path, began: float) -> list[int] | None:
@@ -109,8 +124,8 @@ def status(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def run(cfg, run_dir: Path, plan, rdzv) -> int:
-    """Keep rank rdzv.rank of the job to its end; the exit status of its last child."""
+def run(cfg, run_dir: Path, plan, rdzv, command: list[str]) -> int:
+    """Keep rank rdzv.rank of the job to its end, each child running `command`; the exit status of the last."""
     rank, grace, allowed = rdzv.rank, cfg.cluster.timeout_s + 5, budget(cfg, rdzv)
     sigs = sorted({*stop_signals_of(cfg.cluster.stopping), signal.SIGINT})
     got: list[int] = []
@@ -132,7 +147,7 @@ def run(cfg, run_dir: Path, plan, rdzv) -> int:
 
     def start(late: bool) -> subprocess.Popen:
         env = dict(os.environ, **{KEPT: "1"}, **({LATE: str(time.time())} if late else {}))
-        p = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env=env, preexec_fn=lambda: (
+        p = subprocess.Popen(command, env=env, preexec_fn=lambda: (
             die_with_parent(keeper), signal.pthread_sigmask(signal.SIG_BLOCK, sigs)))
         if got:  # a stop that came before it started: the same stop at its first sync point
             p.send_signal(got[0])
@@ -268,3 +283,15 @@ def node_up(host: str) -> bool:
     state = re.search(r"\bState=(\S+)", r.stdout)
     return not r.returncode and state is not None and \
         not re.search(r"DOWN|DRAIN|FAIL|NOT_RESPONDING|\*", state.group(1))
+
+
+def main(argv: list[str]) -> int:
+    """`python -m scaletrain.launch.keep RUN_DIR [ENTRY FLAGS]`: keep this Slurm task's rank, each child
+    running `python -m scaletrain.launch.entry RUN_DIR [ENTRY FLAGS]`."""
+    run_dir = Path(argv[0])
+    return kept(load_config(run_dir / "config.toml"), run_dir, None,
+                [sys.executable, "-m", "scaletrain.launch.entry", *argv])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -58,6 +58,7 @@ from ..proc import early
 from ..proc.env import LATE, LaunchError, plan_for, script_env
 from ..proc.parent import die_with_parent
 from .fork import Forked, Starter
+from .notes import describe_exit, read_ranks, stop_signals_of, write_ranks
 
 
 def free_port(addr: str) -> int:
@@ -85,16 +86,6 @@ FROZEN_S = 5.0  # after the first process left because of a peer, those still ru
 LISTEN_S = 7.0
 
 
-def describe_exit(plan: Plan, rank: int, rc: int | None) -> str:
-    if rc is None:
-        how = "stopped answering (frozen or hung) and was killed"
-    elif rc < 0:
-        how = f"was killed by signal {signal.Signals(-rc).name}"
-    else:
-        how = f"exited with status {rc}"
-    return f"{plan.describe(rank)} {how}"
-
-
 def _child_setup(held: list[int], launcher: int) -> None:
     """In the process starter, before exec: the kernel kills it when the launcher dies, however it
     dies; and the stop signals are held (blocked, so they wait pending) in it and in every process it
@@ -102,10 +93,6 @@ def _child_setup(held: list[int], launcher: int) -> None:
     still meets the others would kill it, and the launcher would take that for a failure."""
     die_with_parent(launcher)
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
-
-
-def stop_signals_of(names: tuple[str, ...]) -> list[int]:
-    return [getattr(signal, n) for n in names]
 
 
 def launch(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = True,
@@ -400,22 +387,6 @@ def write_failure(run_dir: Path, plan: Plan, rank: int, what: str, host: str | N
     except OSError as e:  # a full disk: the failure is still reported, only not recorded for a restart
         print(f"scaletrain: warning: could not record the failure in {run_dir / 'logs' / 'failure.json'}: "
               f"{e.strerror or e}", file=sys.stderr)
-
-
-def read_ranks(run_dir: Path, name: str) -> list[int]:
-    """Ranks listed in RUN_DIR/logs/NAME: those a process that exited with EXIT_PEER left
-    because of (rankR.lost, comm.liveness.write_note), or those the job went on without (dropped)."""
-    try:
-        return [int(r) for r in (run_dir / "logs" / name).read_text().split(",") if r.strip()]
-    except (OSError, ValueError):
-        return []
-
-
-def write_ranks(run_dir: Path, name: str, ranks: list[int]) -> None:
-    """RUN_DIR/logs/NAME listing `ranks`, replaced whole: a reader never sees half of it."""
-    part = run_dir / "logs" / f".{name}.part"
-    part.write_text(",".join(map(str, ranks)) + "\n")
-    os.replace(part, run_dir / "logs" / name)
 
 
 def _stop(procs: list[Forked], sig: int) -> None:

@@ -89,7 +89,8 @@ from ..proc import cpus, early, fabric
 from ..proc.env import LaunchError, allocation_hosts, het_groups, plan_for, script_env, slurm_hosts, slurm_port
 from .follow import job_fields, submit  # noqa: F401 - submit: `scaletrain slurm --submit` calls it here
 from .preflight import mem_mb, parts
-from .local import check_port, free_port, read_ranks, write_failure
+from .local import check_port, free_port, write_failure
+from .notes import read_ranks
 
 WARNING = signal.SIGUSR1  # what --signal=B:USR1 sends before the time limit
 
@@ -232,7 +233,8 @@ def run_job(cfg: Config, run_dir: Path, resume: bool = False, progress: bool = T
     if script:
         task = [sys.executable, *script]
     else:
-        task = [sys.executable, "-m", "scaletrain.launch.entry", str(run_dir)]
+        # a task of a job that goes on without a lost process keeps its rank (keep.py), loading no torch
+        task = [sys.executable, "-m", f"scaletrain.launch.{'keep' if tolerant else 'entry'}", str(run_dir)]
         task += (["--resume"] if resume else []) + ([] if progress else ["--quiet"])
     cmd += task
     env = step_env(os.environ)
