@@ -20,11 +20,15 @@ that part). The synchronous jobs scale lr with optim.scale_lr = noise at the mea
 the rule the prediction assumes. The measured jobs are real processes (gloo), launched as a user
 launches them; the 1-node rows are the inputs and are left out of the error.
 
-Two estimates of the law's batch are set side by side: the gradient noise scale measured along the
-1-node run (predicted_updates, error), and the critical batch the law itself fits to the 1-node run
-and one more at FIT_BATCH images an update, trained by the jobs' lr rule (predicted_updates_fit,
-error_fit; statistical.fitted), each with a band (the seeds' predictions, each widened by its
-test set's error) and whether the measured mean lies inside it (coverage). --model trains another network: tta_nets:plain_cnn is a BN-free
+Three estimates of the law's batch are set side by side: the gradient noise scale measured along
+the 1-node run (predicted_updates, error); the critical batch the law itself fits, seed by seed, to
+the 1-node run and runs at FIT_BATCHES images an update, trained by the jobs' lr rule
+(predicted_updates_fit, error_fit; statistical.fitted); and the same law fitted once to every
+seed's runs, the median at each update size (predicted_updates_pooled, error_pooled: what
+`predict --learning` does with all the runs given to it). The first two have a band from the
+seeds' predictions, each widened by its test set's error; the pooled one the band `predict` gives
+(the seeds' spread and the fit's residuals, statistical.Learning.band); each says whether the
+measured mean lies inside it (coverage). --model trains another network: tta_nets:plain_cnn is a BN-free
 one, not used while the method was developed.
 
     python benchmarks/time_to_accuracy.py [--seeds 3] [--target 0.93] [--model tta_nets:plain_cnn] [--save]
@@ -50,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "digits.toml")
 BATCH = 16  # images per replica per step; 1 replica a node
-FIT_BATCH = 48  # the second update size the law is fitted at: no node count's update (16 x N)
+FIT_BATCHES = (48, 96)  # the other update sizes the law is fitted at: no node count's update (16 x N)
 EMULATED = 5  # workers of the emulator run: staleness 4, above what 8 real nodes here reach
 EVAL_IMAGES = 32  # evaluate about every this many images applied (at least every job step)
 COMMON = ["data.augment=none", "data.workers=0", "train.threads=1", "optim.schedule=constant",
@@ -131,11 +135,14 @@ def main() -> None:
                    for r, e in zip(ref, emu)]
         noise = statistics.fmean(x.noise_scale for x in learned)
         rule = [*lr_net, "optim.scale_lr=noise", f"optim.noise_scale={noise:.1f}"]
-        # the law's own critical batch: one process at FIT_BATCH images an update, the lr by the jobs' rule
-        fit_ref = [runs.start(f"ref{FIT_BATCH}-seed{s}", [*rule, "train.noise_every=1", f"train.seed={s}",
-                                                           f"data.batch_size={FIT_BATCH}"], FIT_BATCH) for s in seeds]
-        fits = [read_learning([r.result(), f.result(), *([e.result()] if stale_ok else [])], ("accuracy", args.target))
-                for r, f, e in zip(ref, fit_ref, emu)]
+        # the law's own critical batch: one process at each of FIT_BATCHES images an update, the lr by the jobs' rule
+        fit_ref = [[runs.start(f"ref{b}-seed{s}", [*rule, "train.noise_every=1", f"train.seed={s}",
+                                                    f"data.batch_size={b}"], b) for b in FIT_BATCHES] for s in seeds]
+        stale_runs = [e.result() for e in emu] if stale_ok else []
+        fits = [read_learning([r.result(), *(f.result() for f in fs), *stale_runs[s:s + 1]], ("accuracy", args.target))
+                for s, (r, fs) in enumerate(zip(ref, fit_ref))]
+        pooled = read_learning([*(r.result() for r in ref), *(f.result() for fs in fit_ref for f in fs), *stale_runs],
+                               ("accuracy", args.target))
         jobs = {}
         for n in args.nodes:
             cluster = [f"cluster.nodes={n}", "cluster.gpus_per_node=1"]
@@ -162,18 +169,24 @@ def main() -> None:
             stale_of = tau if name == "mixed-async" else 0.0
             predicted = statistics.median(x.updates_at(update, stale_of) for x in learned)
             by_fit = statistics.median(x.updates_at(update, stale_of) for x in fits)
+            by_pool = pooled.updates_at(update, stale_of)
+            band_pool = [round(by_pool * (1 - pooled.band()), 1), round(by_pool * (1 + pooled.band()), 1)]
             mean = statistics.fmean(measured)
             band, band_fit = seeds_band(learned, update, stale_of), seeds_band(fits, update, stale_of)
             rows.append({"strategy": name, "nodes": n, "images_per_update": update, "measured_updates": measured,
                          "measured_mean": round(mean, 1), "measured_min": min(measured), "measured_max": max(measured),
                          "staleness_mean": round(tau, 2), "predicted_updates": round(predicted, 1),
                          "error": round(predicted / mean - 1, 3), "predicted_updates_fit": round(by_fit, 1),
-                         "error_fit": round(by_fit / mean - 1, 3), "band": band, "band_fit": band_fit,
-                         "inside": band[0] <= mean <= band[1], "inside_fit": band_fit[0] <= mean <= band_fit[1],
+                         "error_fit": round(by_fit / mean - 1, 3), "predicted_updates_pooled": round(by_pool, 1),
+                         "error_pooled": round(by_pool / mean - 1, 3), "band": band, "band_fit": band_fit,
+                         "band_pooled": band_pool, "inside": band[0] <= mean <= band[1],
+                         "inside_fit": band_fit[0] <= mean <= band_fit[1],
+                         "inside_pooled": band_pool[0] <= mean <= band_pool[1],
                          "input": n == 1,
                          "beyond_emulator": tau > 1.05 * min(x.staleness_max for x in learned)})
     scored = [abs(r["error"]) for r in rows if not r["input"] and "error" in r]
     scored_fit = [abs(r["error_fit"]) for r in rows if not r["input"] and "error_fit" in r]
+    scored_pool = [abs(r["error_pooled"]) for r in rows if not r["input"] and "error_pooled" in r]
     banded = [r for r in rows if not r["input"] and "band" in r]
     out = {"benchmark": "time_to_accuracy", **run_info(torch.device("cpu")), "cores": os.cpu_count(),
            "target_accuracy": args.target, "seeds": args.seeds,
@@ -181,13 +194,17 @@ def main() -> None:
            "noise_scales": [round(x.noise_scale, 1) for x in learned],
            "staleness_factors": [round(x.staleness_factor, 3) for x in learned] if stale_ok else
            f"the emulator at staleness {EMULATED - 1} did not reach the target: asynchronous rows not run",
-           "model": args.model or "resnet8 (group norm)", "fit_batch": FIT_BATCH,
+           "model": args.model or "resnet8 (group norm)", "fit_batches": [BATCH, *FIT_BATCHES],
            "critical_batches_fit": [round(x.noise_scale, 1) for x in fits],
+           "critical_batch_pooled": round(pooled.noise_scale, 1),
            "median_abs_error": round(statistics.median(scored), 3), "max_abs_error": round(max(scored), 3),
            "median_abs_error_fit": round(statistics.median(scored_fit), 3),
            "max_abs_error_fit": round(max(scored_fit), 3),
+           "median_abs_error_pooled": round(statistics.median(scored_pool), 3),
+           "max_abs_error_pooled": round(max(scored_pool), 3),
            "coverage": round(sum(r["inside"] for r in banded) / len(banded), 3),
            "coverage_fit": round(sum(r["inside_fit"] for r in banded) / len(banded), 3),
+           "coverage_pooled": round(sum(r["inside_pooled"] for r in banded) / len(banded), 3),
            "seconds": round(time.monotonic() - t0), "rows": rows,
            "command": "python benchmarks/time_to_accuracy.py " + " ".join(sys.argv[1:])}
     print(json.dumps(out, indent=1))
