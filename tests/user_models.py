@@ -45,6 +45,11 @@ def not_a_module(num_classes: int) -> list:
     return [nn.Linear(3, num_classes)]
 
 
+def lazy(num_classes: int) -> nn.Module:
+    """Its last layer's input size left to the first forward (nn.LazyLinear)."""
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LazyLinear(num_classes))
+
+
 def wrong_output(num_classes: int) -> nn.Module:
     """Forgets the class count: (batch, num_classes + 1)."""
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, num_classes + 1))

@@ -53,11 +53,13 @@ def train_args(tmp_path, *sets):
     (["model.name=user_models:fixed_size", "data.image_size=8"], r"model\.name = 'user_models:fixed_size': the "
      r"network's forward of a batch of 2 images of 3x8x8 \(data\.image_size = 8\) raised RuntimeError: mat1 and "
      r"mat2 shapes cannot be multiplied"),
+    (["model.name=user_models:lazy"], r"model\.name = 'user_models:lazy': user_models:lazy\(num_classes=10\) has "
+     r"a lazy module, 2 \(LazyLinear\), whose parameters take their shape at its first forward; .* give its sizes"),
     # a distributed job: found by the launcher, before it starts a process
     (["model.name=user_models:wrong_output", "cluster.nodes=2", "cluster.num_ps=1", "strategy.name=sync"],
      r"model\.name = 'user_models:wrong_output': the network's output .* has shape \(2, 11\)"),
 ], ids=["no-module", "no-attribute", "raises", "bad-args", "not-a-module", "an-instance", "output-shape",
-        "forward-raises", "distributed"])
+        "forward-raises", "lazy", "distributed"])
 def test_a_network_that_cannot_be_built_is_one_line_before_any_process(tmp_path, capsys, sets, pattern):
     assert main(train_args(tmp_path, *sets)) == 2
     err = capsys.readouterr().err.strip().splitlines()

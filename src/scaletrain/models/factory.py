@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from ..recipe_values import MODEL_EXTRAS, MODELS
 from ..errors import ModelNameError
@@ -43,6 +44,13 @@ def build_network(cfg) -> nn.Module:
         raise ModelNameError(f"{_where(cfg)}: {call} raised {one_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ModelNameError(f"{_where(cfg)}: {call} returned a {type(model).__name__}, not a torch.nn.Module")
+    lazy = next(((n, mod) for n, mod in model.named_modules() if isinstance(mod, LazyModuleMixin)), None)
+    if lazy:  # its parameters have no shape yet: nothing to average, shard, count or load before a forward
+        name, mod = lazy
+        raise ModelNameError(f"{_where(cfg)}: {call} has a lazy module, {name or 'the network'} "
+                             f"({type(mod).__name__}), whose parameters take their shape at its first forward; every "
+                             "replica and parameter server needs them from the start: give its sizes (e.g. "
+                             "nn.Linear(in_features, out_features))")
     return model
 
 
