@@ -35,7 +35,8 @@ one, not used while the method was developed.
 
 Prints one JSON object: per configuration, the measured updates (each seed, mean, min..max) and the
 predicted ones (the median of the seeds' predictions), their relative error, and the median
-absolute error over the configurations. About 15 minutes on two cores.
+absolute error over the configurations. About 15 minutes on two cores for the BN-free networks
+at 4 seeds, 25 for ResNet-8.
 """
 
 from __future__ import annotations
