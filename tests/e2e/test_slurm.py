@@ -239,12 +239,16 @@ def start(cluster, run_dir, *overrides, args=("--time", "00:10:00")):
 def wait_for_step(run_dir, step, p, timeout=120.0):
     """Until the chief has logged job step `step` (the job trains on every node by then); a job (`p`, start's
     `scaletrain slurm --wait`) that ended before fails at once, with its logs."""
+    def reached():
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        return any(json.loads(r).get("step", 0) >= step for r in rows if r.strip())
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-        if any(json.loads(r).get("step", 0) >= step for r in rows if r.strip()):
+        ended = p.poll() is not None  # before the read: a job that logged the step and then ended passes
+        if reached():
             return
-        if p.poll() is not None:
+        if ended:
             break
         time.sleep(0.2)
     logs = "\n".join(f.read_text() for f in sorted((run_dir / "logs").glob("*.out")))

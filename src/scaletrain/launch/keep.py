@@ -9,11 +9,12 @@ rendezvous, and every other agent, seeing a node waiting, restarts its own (torc
 elastic/agent/server/api.py, `_invoke_run`): the whole job starts again. srun restarts no task.
 The keeper restarts one process, on the node where it ran; the agent and the step never see it fail.
 
-The child runs this process's own command line (sys.orig_argv) with KEPT set, so it joins instead of
-keeping; a replacement also has LATE (proc/env.py). A Slurm task of such a job is this module
-(`python -m scaletrain.launch.keep RUN_DIR`, launch/slurm.py), whose child is launch/entry.py's: it
-imports no torch, so a node's keepers cost it little memory and no start-up time. The chief's word is RUN_DIR/logs/dropped
-(comm/liveness.py), on the file system every node shares: a child still running when its rank is
+The child runs a command with KEPT set, so it joins instead of keeping: this process's own command
+line (sys.orig_argv) for `scaletrain train` under torchrun and a user's script; for a Slurm task of
+the built-in loop, which is this module (`python -m scaletrain.launch.keep RUN_DIR`, launch/slurm.py),
+launch/entry.py's. A replacement also has LATE (proc/env.py). Those two keepers import no torch, so
+they cost a node little memory and its processes no start-up time; a user's script keeps after its
+own imports (job.Job.from_env). The chief's word is RUN_DIR/logs/dropped (comm/liveness.py), on the file system every node shares: a child still running when its rank is
 dropped (frozen, or woken too late) is killed, and a dropped child that ended is replaced while the
 job's budget lasts: one file logs/replacement-JOB-K each, made exclusively, K up to
 cluster.replacements, so the budget is the job's whatever node a replacement runs on. Past it, the
