@@ -7,7 +7,10 @@ CPUs carry all of it through the kernel. The rate each pair sees is the payload'
 frames: at most FRAMING of a link's rate is payload (TCP's 1448 bytes with timestamps in a
 1514-byte Ethernet frame). A link that delivers at least 90% of that is one that works; below,
 something else limits (the CPUs): the twin would report this machine, not the network set, and is
-refused; a time scale (cluster.time_scale) slows its links to a rate it can carry.
+refused; a time scale (cluster.time_scale) slows its links to a rate it can carry. A round that falls
+short is measured again, up to ROUNDS in all: a host busy for a moment (another process's burst, a
+stall of the virtual machine) costs a second of one round, where a twin its CPUs cannot carry falls
+short in every round; the best round is the one reported.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..errors import LaunchError
 from . import probe
 from .netns import Twin, address
 
+ROUNDS = 3  # measures of every link before a twin is refused
 TOLERANCE = 0.9  # the delivered payload, at least this fraction of the most a link of the set rate carries
 FRAMING = 1448 / 1514  # payload per frame: TCP with timestamps in a 1500-byte MTU, and the Ethernet header
 CHUNK = 4 << 20  # bytes a send
@@ -82,23 +86,29 @@ def _expect(lines, start: str, pair: tuple[int, int], deadline: float) -> str:
     return line
 
 
-def check(twin: Twin, seconds: float = 1.0) -> dict:
-    """Measure every node's link at once and refuse a twin that does not carry its own rates (one node:
-    nothing to test, {}). Returns {pairs, set_gbps, measured_gbps, ratio, of_payload_rate}: the worst pair's
-    measured rate over its set rate, and over the most payload that rate carries."""
+def check(twin: Twin, seconds: float = 1.0, rounds: int = ROUNDS) -> dict:
+    """Measure every node's link at once and refuse a twin that does not carry its own rates in any of
+    `rounds` rounds (one node: nothing to test, {}). Returns the best round's {pairs, set_gbps,
+    measured_gbps, ratio, of_payload_rate, rounds}: its worst pair's measured rate over its set rate, and
+    over the most payload that rate carries; and the rounds it took."""
     if twin.nodes < 2:
         return {}
     between = pairs(twin.nodes)
-    got = measure(twin, between, seconds)
     want = [min(twin.gbps[s], twin.gbps[d]) for s, d in between]
-    worst = min(range(len(got)), key=lambda i: got[i] / want[i])
-    out = {"pairs": [[s + 1, d + 1] for s, d in between], "set_gbps": want, "measured_gbps": got,
-           "ratio": got[worst] / want[worst], "of_payload_rate": got[worst] / (want[worst] * FRAMING)}
-    if out["of_payload_rate"] < TOLERANCE:
-        scale = math.ceil(1 / out["of_payload_rate"] / TOLERANCE)
-        s, d = between[worst]
-        raise LaunchError(f"the cluster twin delivers {got[worst]:.3g} of the {want[worst]:.3g} Gbit/s set from node "
-                          f"{s + 1} to node {d + 1} while every link is in use: this machine's CPUs, not the links, "
-                          f"would limit the job; set cluster.time_scale {scale}x higher (or more) so that its links "
-                          "run at a rate it can carry")
-    return out
+    best = None
+    for k in range(1, rounds + 1):
+        got = measure(twin, between, seconds)
+        worst = min(range(len(got)), key=lambda i: got[i] / want[i])
+        out = {"pairs": [[s + 1, d + 1] for s, d in between], "set_gbps": want, "measured_gbps": got,
+               "ratio": got[worst] / want[worst], "of_payload_rate": got[worst] / (want[worst] * FRAMING), "rounds": k}
+        if best is None or out["of_payload_rate"] > best[0]["of_payload_rate"]:
+            best = out, worst
+        if out["of_payload_rate"] >= TOLERANCE:
+            return out
+    out, worst = best
+    scale = math.ceil(1 / out["of_payload_rate"] / TOLERANCE)
+    (s, d), got = between[worst], out["measured_gbps"][worst]
+    raise LaunchError(f"the cluster twin delivers {got:.3g} of the {want[worst]:.3g} Gbit/s set from node {s + 1} "
+                      f"to node {d + 1} while every link is in use ({rounds} rounds, the best given): this machine's "
+                      f"CPUs, not the links, would limit the job; set cluster.time_scale {scale}x higher (or more) so "
+                      "that its links run at a rate it can carry")
