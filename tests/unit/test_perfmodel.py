@@ -127,6 +127,28 @@ def test_scaletrain_shard_receives_once_free_while_it_works_and_replies_in_turn(
         assert costs.sync_ps(p, st).link_bytes == {"node 1": G, "node 2": G, "node 3": G, "node 4": n * G}
 
 
+def test_transfers_on_a_link_share_it_as_tcp_flows_do():
+    """Three transfers into one node at once all end at 3 t; one that starts while another is under way
+    halves its rate until either ends (a link of 1 MB/s, transfers of 1 MB: t = 1 s)."""
+    import simpy
+    from scaletrain.perfmodel.simulate import _Links
+    env = simpy.Environment()
+    links, ends = _Links(env, 1e6), {}
+
+    def send(name, src, dst, start):
+        yield env.timeout(start)
+        yield links.send(((src, "out"), (dst, "in")), 1e6)
+        ends[name] = env.now
+
+    for k in range(3):
+        env.process(send(f"in{k}", k, 9, 0.0))
+    env.process(send("first", 4, 5, 10.0))
+    env.process(send("second", 6, 5, 10.5))  # shares node 5's incoming link from 10.5 s on
+    env.run()
+    assert ends == pytest.approx({"in0": 3.0, "in1": 3.0, "in2": 3.0, "first": 11.5, "second": 12.0})
+    assert links.busy[9, "in"] == pytest.approx(3.0) and links.busy[5, "in"] == pytest.approx(2.0)
+
+
 def test_threaded_shard_overlaps_transfers_with_its_work():
     # A threaded shard (ps_overlap): all N gradients come in through the PS's link at once, the
     # adds hide behind them but for one, then the update (the mean, G / 1e10, and the optimizer,
@@ -136,11 +158,13 @@ def test_threaded_shard_overlaps_transfers_with_its_work():
     st = make_setup(cfg_of("sync", nodes=n, ps=1, where="dedicated"), p)
     est = costs.sync_ps(p, st)
     assert est.step_s == pytest.approx(1.0 + 2 * (n * G / 1e6 + 0.01) + G / 1e10 + (G / 1e10 + G / 1e8))
-    # Played out in time, the first pusher answered computes while the others get their replies:
-    # a round lasts c + (N + 1) t + the last add and the update + two latencies, not c + 2 N t.
+    # Played out in time, the N gradients share the PS's link as TCP flows do, so all come in after
+    # N t, and so do the replies, sent at once: a round lasts c + 2 N t + the N adds and the update
+    # + two latencies (the closed form's), not c + (N + 1) t as with transfers one after another.
     res = simulate(p, st, cycle_hint=5.0)
-    assert res.step_s == pytest.approx(1.0 + (n + 1) * G / 1e6 + G / 1e10 + (G / 1e10 + G / 1e8) + 2 * 0.01,
+    assert res.step_s == pytest.approx(1.0 + 2 * n * G / 1e6 + n * G / 1e10 + (G / 1e10 + G / 1e8) + 2 * 0.01,
                                        rel=0.005)
+    assert res.step_s == pytest.approx(est.step_s, rel=0.005)
 
 
 def test_sync_is_as_fast_as_mixed_async_with_equal_speeds_and_a_cheap_network():
@@ -257,15 +281,16 @@ def test_input_rate_0_changes_nothing(tmp_path):
 
 # --- predictions, the study's profile, the recommender -----------------------------------------
 
-# The study's 4-worker rows (shared reference): placement, measured img/s, and whether the profile
-# was set from the row (profiles/study-k80.toml: compute_s from the 1-node row, net_bandwidth from
-# the dedicated-PS row, ps_apply_rate from the 1-PS row). A fitted row can only show that the fit
-# holds; the held-out row is the prediction.
+# The study's 4-worker rows (shared reference): placement, measured img/s, how the profile used the
+# row (profiles/study-k80.toml: compute_s from the 1-node row, ps_apply_rate from the 1-PS row,
+# net_bandwidth from the dedicated-PS row while transfers went one after another) and the bound on
+# the error. A fitted row can only show that the fit holds; the held-out row is the prediction.
 STUDY = [
-    ("cluster.num_ps=0", "cluster.nodes=1", 124.18, "fitted"),
-    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62, "fitted"),
-    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22, "fitted"),
-    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73, "held out"),
+    ("cluster.num_ps=0", "cluster.nodes=1", 124.18, "fitted", 0.005),
+    # With shared links this row is -2.7% at the profile's bandwidth, and -2% at best at any.
+    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62, "set it before links were shared", 0.03),
+    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22, "fitted", 0.005),
+    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73, "held out", 0.05),
 ]
 
 
@@ -276,12 +301,13 @@ def study_row(ps: str, where: str) -> dict:
     return predict(load_config(ROOT / "recipes/anp-resnet50.toml", sets), prof)
 
 
-@pytest.mark.parametrize("ps,where,measured,role", STUDY)
-def test_study_profile_reproduces_its_fit_and_predicts_the_held_out_row(ps, where, measured, role):
+@pytest.mark.parametrize("ps,where,measured,role,bound", STUDY)
+def test_study_profile_reproduces_its_fit_and_predicts_the_held_out_row(ps, where, measured, role, bound):
     row = study_row(ps, where)
-    # 0.5%: the profile's fitted figures are rounded to 2-3 digits; 5% for the prediction (-3.5%),
-    # where a PS alongside costing nothing (the dedicated row, 396 img/s) would be +5.7%.
-    assert row["images_per_sec"] == pytest.approx(measured, rel=0.005 if role == "fitted" else 0.05)
+    # 0.5%: the profile's fitted figures are rounded to 2-3 digits; 5% for the prediction (+3.2%).
+    # A PS alongside costing nothing would give the dedicated row's 385.9 (+3.0%): the model puts
+    # little cost on sharing the nodes, where the study measured 5.5% between the two rows.
+    assert row["images_per_sec"] == pytest.approx(measured, rel=bound), role
     assert row["efficiency"] == pytest.approx(row["speedup"] / row["nodes_total"])
 
 

@@ -12,10 +12,13 @@ gradients) and uneven replica speeds (stragglers).
   the node. With background loaders a pusher's replicas start a step no
   sooner than the loaders' time for one batch after they started the last
   (costs.loader_floor); that wait counts as computing.
-- A transfer between nodes holds the sender's outgoing and the receiver's
-  incoming link for bytes / net_bandwidth (links taken in that order, so two
-  transfers never wait on each other in a cycle), then latency passes.
-  Between processes of one node it takes bytes / local_bandwidth, no link.
+- A transfer between nodes uses the sender's outgoing and the receiver's
+  incoming link, and the transfers on a link share it evenly, as TCP flows
+  share a bottleneck: each moves at its busier link's share (net_bandwidth
+  over the transfers on it), recomputed whenever one starts or ends
+  (_Links); then latency passes. Three pushers sending to one shard at once
+  all finish at 3x one transfer's time, not one after another. Between
+  processes of one node a transfer takes bytes / local_bandwidth, no link.
 - A shard serves messages one at a time in arrival order. Async: a gradient
   costs bytes / ps_apply_rate of CPU, is applied at once, and the sender gets
   the new version. Sync: a gradient of the current version costs bytes /
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import simpy
@@ -73,16 +76,62 @@ class SimResult:
     gradients_per_update: float = 0.0  # async-allreduce: mean gradients a round's update averages
 
 
+class _Links:
+    """The links between nodes, each (node, "out" | "in") of `bandwidth` bytes/s, shared evenly by the
+    transfers on it: a transfer moves at its busier link's share, recomputed at every start and end."""
+
+    def __init__(self, env: simpy.Environment, bandwidth: float) -> None:
+        self.env, self.bandwidth = env, bandwidth
+        self.flows: list[list] = []  # [bytes left, its links, the event its end triggers]
+        self.busy: dict = defaultdict(float)
+        self.last, self.wakeups = 0.0, 0
+
+    def send(self, links: tuple, nbytes: float) -> simpy.Event:
+        """An event triggered once `nbytes` crossed `links`."""
+        self._advance()
+        done = self.env.event()
+        self.flows.append([nbytes, links, done])
+        self._next()
+        return done
+
+    def _rates(self) -> list[float]:
+        on = Counter(link for f in self.flows for link in f[1])
+        return [self.bandwidth / max(on[link] for link in f[1]) for f in self.flows]
+
+    def _advance(self) -> None:
+        dt, self.last = self.env.now - self.last, self.env.now
+        if dt > 0:
+            for f, rate in zip(self.flows, self._rates()):
+                f[0] -= rate * dt
+            for link in {link for f in self.flows for link in f[1]}:
+                self.busy[link] += dt
+
+    def _next(self) -> None:
+        """End the transfers that are through (a nanosecond left at most: rounding), then wake at the next end."""
+        for f in [f for f, rate in zip(self.flows, self._rates()) if f[0] <= rate * 1e-9]:
+            self.flows.remove(f)
+            f[2].succeed()
+        if self.flows:
+            self.wakeups += 1
+            self.env.process(self._wake(min(f[0] / r for f, r in zip(self.flows, self._rates())), self.wakeups))
+
+    def _wake(self, delay: float, wakeup: int):
+        yield self.env.timeout(delay)
+        if wakeup == self.wakeups:  # else a start or an end since has set a later one
+            self._advance()
+            self._next()
+
+
 class _Sim:
     def __init__(self, p: Profile, st: Setup, spread: float, seed: int) -> None:
         self.p, self.st, self.env = p, st, simpy.Environment()
         self.rng = random.Random(seed)
         self.sigma = math.sqrt(math.log1p(spread ** 2))
         self.cores = simpy.Resource(self.env, p.shared_cores) if p.shared_cores else None
-        self.links = {(n, d): simpy.Resource(self.env, 1) for n in range(st.nodes_total) for d in ("out", "in")}
+        self.links = _Links(self.env, p.net_bandwidth)
         self.queues = [simpy.Store(self.env) for _ in st.shard_bytes]
         self.version = [0] * len(st.shard_bytes)
-        self.busy: dict = defaultdict(float)
+        self.busy = self.links.busy  # seconds: a link's while it carries a transfer, a shard's while it works
         self.moved: dict[int, float] = defaultdict(float)
         self.done: list[tuple[float, int]] = []   # (time, images) of each pusher step
         self.computing = 0.0
@@ -127,14 +176,7 @@ class _Sim:
         if a == b or self.cores is not None:  # loopback: a memory copy, CPU work
             yield from self.work(nbytes / p.local_bandwidth + (p.net_latency if a != b else 0.0))
             return
-        seconds = nbytes / p.net_bandwidth
-        with self.links[a, "out"].request() as out:
-            yield out
-            with self.links[b, "in"].request() as inn:
-                yield inn
-                yield self.env.timeout(seconds)
-        self.busy[a, "out"] += seconds
-        self.busy[b, "in"] += seconds
+        yield self.links.send(((a, "out"), (b, "in")), nbytes)
         self.moved[a] += nbytes  # sent; what a node receives mirrors it over a push and its reply
         yield self.env.timeout(p.net_latency)
 
