@@ -51,6 +51,7 @@ exceed sync's by more than two standard errors), and what asynchrony buys on the
 (mixed-async / sync images/s per node count).
 
     python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --capacity-gbps C --headroom 1]
+                              [--nodes 2 4 8 --rates 1 10]
     python benchmarks/twin.py --predict-again benchmarks/results/twin-....json [--save]
 
 --quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes about 75 minutes
@@ -352,6 +353,15 @@ def async_gain(rows: list[dict], rate: float, source: str) -> dict:
     return by
 
 
+def fidelity(rows: list[dict]) -> dict:
+    """The measured images/s against the network-only prediction (what the twin emulates): the median
+    and largest |measured / predicted - 1| over the rows that have both."""
+    errs = [abs(r["images_per_sec"] / q - 1) for r in rows
+            if r.get("images_per_sec") and (q := (r.get("predicted_network_only") or {}).get("images_per_sec"))]
+    return {"against": "predicted_network_only", "rows": len(errs),
+            "median_abs_error": statistics.median(errs) if errs else None, "max_abs_error": max(errs, default=None)}
+
+
 def findings(rows: list[dict]) -> dict:
     rates = sorted({r["link_gbps"] for r in rows})
     return {
@@ -384,6 +394,8 @@ def main() -> None:
     ap.add_argument("--capacity-gbps", type=float, default=0.0,
                     help="what this machine carries, Gbit/s (0 = measure it with scaletrain twin test)")
     ap.add_argument("--headroom", type=float, default=1.0, help="fraction of the twin test's rate a row may load")
+    ap.add_argument("--nodes", type=int, nargs="+", help="node counts of the rows (default 2 4 8; --quick 2 4)")
+    ap.add_argument("--rates", type=float, nargs="+", help="link rates, Gbit/s (default 1 10; --quick 1)")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/results/twin-TIME-COMMIT.json")
     ap.add_argument("--predict-again", metavar="RESULTS_JSON", type=Path,
                     help="no run: the rows of a saved run predicted again by this commit's model (the measured "
@@ -404,6 +416,7 @@ def main() -> None:
     cap = {"gbps": a.capacity_gbps, "tests": "given (--capacity-gbps)"} if a.capacity_gbps else capacity()
     budget = a.headroom * cap["gbps"]
     nodes, rates = ([2, 4], [1.0]) if a.quick else ([2, 4, 8], [1.0, 10.0])
+    nodes, rates = a.nodes or nodes, a.rates or rates
     with tempfile.TemporaryDirectory() as tmp:
         rows = plan(nodes, rates, budget, Path(tmp))
     say(f"this machine carries {cap['gbps']:g} Gbit/s (twin test); a row may load {a.headroom:g} x that = "
@@ -425,7 +438,8 @@ def main() -> None:
            "recipe": RECIPE, "model_sets": MODEL, "predict_recipe": PREDICT_RECIPE, "profile": PROFILE,
            "warmup": a.warmup, "steps": a.steps, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
            "host_cpu_s": HOST_CPU_S, "host_share": HOST_SHARE,
-           "baselines": baselines, "rows": rows, "findings": findings(rows), "runs_dir": str(runs),
+           "baselines": baselines, "rows": rows, "findings": findings(rows), "fidelity": fidelity(rows),
+           "runs_dir": str(runs),
            "seconds": round(time.monotonic() - t0)}
     emit(out, a.save)
 
@@ -445,7 +459,7 @@ def predict_again(saved: Path, save: bool) -> None:
     measured = {"measured_by": out["command"], "measured_at": out["git_commit"], "measured_in": str(saved)}
     with tempfile.TemporaryDirectory() as tmp:
         add_predictions(rows, Path(tmp))
-    out.update(run_info(torch.device("cpu")), **measured, rows=rows, findings=findings(rows),
+    out.update(run_info(torch.device("cpu")), **measured, rows=rows, findings=findings(rows), fidelity=fidelity(rows),
                coverage=band_coverage(rows), command="python benchmarks/twin.py " + " ".join(sys.argv[1:]))
     emit(out, save)
 
