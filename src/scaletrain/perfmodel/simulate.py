@@ -82,41 +82,51 @@ class _Links:
 
     def __init__(self, env: simpy.Environment, bandwidth: float) -> None:
         self.env, self.bandwidth = env, bandwidth
-        self.flows: list[list] = []  # [bytes left, its links, the event its end triggers]
+        self.flows: list[list] = []  # [bytes left, its two links, the event its end triggers, its rate]
+        self.on: Counter = Counter()  # transfers on each link
         self.busy: dict = defaultdict(float)
         self.last, self.wakeups = 0.0, 0
 
     def send(self, links: tuple, nbytes: float) -> simpy.Event:
-        """An event triggered once `nbytes` crossed `links`."""
+        """An event triggered once `nbytes` crossed `links` (the sender's "out", the receiver's "in")."""
         self._advance()
         done = self.env.event()
-        self.flows.append([nbytes, links, done])
+        self.flows.append([nbytes, links, done, 0.0])
+        self.on.update(links)
+        self._share()
         self._next()
         return done
 
-    def _rates(self) -> list[float]:
-        on = Counter(link for f in self.flows for link in f[1])
-        return [self.bandwidth / max(on[link] for link in f[1]) for f in self.flows]
+    def _share(self) -> None:
+        on, bw = self.on, self.bandwidth
+        for f in self.flows:
+            a, b = f[1]
+            f[3] = bw / max(on[a], on[b])
 
     def _advance(self) -> None:
         dt, self.last = self.env.now - self.last, self.env.now
-        if dt > 0:
-            for f, rate in zip(self.flows, self._rates()):
-                f[0] -= rate * dt
-            for link in {link for f in self.flows for link in f[1]}:
-                self.busy[link] += dt
+        if dt > 0 and self.flows:
+            for f in self.flows:
+                f[0] -= f[3] * dt
+            for link, n in self.on.items():
+                if n:
+                    self.busy[link] += dt
 
     def _next(self) -> None:
         """End the transfers that are through (a nanosecond left at most: rounding), then wake at the next end."""
-        for f in [f for f, rate in zip(self.flows, self._rates()) if f[0] <= rate * 1e-9]:
+        through = [f for f in self.flows if f[0] <= f[3] * 1e-9]
+        for f in through:
             self.flows.remove(f)
+            self.on.subtract(f[1])
             f[2].succeed()
+        if through:
+            self._share()
         if self.flows:
             self.wakeups += 1
-            self.env.process(self._wake(min(f[0] / r for f, r in zip(self.flows, self._rates())), self.wakeups))
+            wake, wakeup = self.env.timeout(min(f[0] / f[3] for f in self.flows)), self.wakeups
+            wake.callbacks.append(lambda _: self._wake(wakeup))
 
-    def _wake(self, delay: float, wakeup: int):
-        yield self.env.timeout(delay)
+    def _wake(self, wakeup: int) -> None:
         if wakeup == self.wakeups:  # else a start or an end since has set a later one
             self._advance()
             self._next()
