@@ -81,9 +81,10 @@ twin-tools:
 	command -v ip >/dev/null && command -v tc >/dev/null || \
 	{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; }
 
-# The 20 slowest tests close its output: the suite is to stay well inside CI's 90 minutes.
+# The 20 slowest tests close its output: the suite is to stay well inside CI's 90 minutes. The
+# checks of a minute or more each (marked `long`) run in benchmarks/long_tests.py instead.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q -m "not long" --durations=20
 
 # The quick target: tests/unit (pure logic and single commands, seconds each; no cluster),
 # 294 s for 578 tests on an idle two-core machine at 397f97c;

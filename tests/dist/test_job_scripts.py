@@ -27,6 +27,7 @@ def script(*args, **kw):
                           text=True, timeout=kw.pop("timeout", 300), **kw)
 
 
+@pytest.mark.long  # benchmarks/long_tests.py
 def test_custom_loop_under_the_local_launcher_matches_the_command_line(tmp_path):
     """The acceptance run: 2 nodes x 2 replicas and a sync PS on digits, the script's loop against
     `scaletrain train` of the same config."""

@@ -21,6 +21,7 @@ def run(*args, cwd=ROOT, env=None):
                           timeout=600, env=env)
 
 
+@pytest.mark.long  # benchmarks/long_tests.py
 def test_calibrate_bench_validate_report(tmp_path):
     sets = ["--set", "data.workers=0", "--set", "optim.warmup_steps=0", "--set", "cluster.gpus_per_node=2"]
     prof = tmp_path / "local.toml"

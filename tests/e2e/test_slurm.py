@@ -360,6 +360,7 @@ def test_a_busy_rendezvous_port_is_named_at_once_or_gives_way(cluster, tmp_path)
     assert slurm_port(job) in held and used != slurm_port(job), (job, used)
 
 
+@pytest.mark.long  # benchmarks/long_tests.py
 def test_job_past_its_time_limit_says_timed_out(cluster, tmp_path):
     run_dir = tmp_path / "timeout"
     # One minute is Slurm's shortest limit; with no warning signal the job runs into it.
