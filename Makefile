@@ -88,7 +88,7 @@ test: $(STAMP)
 
 # The quick target: tests/unit (pure logic and single commands, seconds each; no cluster),
 # 294 s for 578 tests on an idle two-core machine at 397f97c;
-# `make test` runs everything. Each folder of tests/ is a marker: pytest -m "dist or faults" works too.
+# `make test` runs everything but the `long` checks. Each folder of tests/ is a marker: pytest -m "dist or faults" works too.
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 

@@ -30,7 +30,8 @@ def main() -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "long", f"--junitxml={junit}"], cwd=ROOT)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "long", f"--junitxml={junit}"], cwd=ROOT,
+                           stdout=sys.stderr)  # pytest's lines on stderr, the JSON alone on stdout
         cases = ET.parse(junit).getroot().iter("testcase") if junit.exists() else []
         tests = [{"test": f"{c.get('classname')}::{c.get('name')}", "seconds": round(float(c.get("time", 0)), 1),
                   "outcome": next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed")}

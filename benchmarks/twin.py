@@ -459,6 +459,9 @@ def predict_again(saved: Path, save: bool) -> None:
     measured = {"measured_by": out["command"], "measured_at": out["git_commit"], "measured_in": str(saved)}
     with tempfile.TemporaryDirectory() as tmp:
         add_predictions(rows, Path(tmp))
+    batch = study_step()["batch"]
+    for r in rows:  # the gap to the new prediction
+        r["host_cpu_s_implied"] = host_implied(r, batch)
     out.update(run_info(torch.device("cpu")), **measured, rows=rows, findings=findings(rows), fidelity=fidelity(rows),
                coverage=band_coverage(rows), command="python benchmarks/twin.py " + " ".join(sys.argv[1:]))
     emit(out, save)

@@ -103,15 +103,16 @@ def wait_for(path, timeout=120):
 
 
 def test_a_twin_its_cpus_cannot_carry_is_refused_after_every_round_fell_short():
-    """Links far faster than this machine's CPUs move data over veth (a 2-node ring at 30 Gbit/s each
+    """Links far faster than this machine's CPUs move data over veth (a 2-node ring at 200 Gbit/s each
     way; about 12 Gbit/s is carried here, one way): every round falls short, and the refusal names the
-    pair, the rounds and a time scale; a link the machine carries passes in its first round."""
+    pair, the rounds and a time scale; a link the machine carries passes."""
     from scaletrain.errors import LaunchError
     from scaletrain.twin import Twin, check
-    with Twin.make(2, 30.0) as twin:
+    from scaletrain.twin.selftest import ROUNDS
+    with Twin.make(2, 200.0) as twin:
         with pytest.raises(LaunchError, match=r"from node \d to node \d .*\(3 rounds, the best given\).*"
                                               r"set cluster.time_scale \d+x higher"):
-            check(twin, seconds=0.25)
+            check(twin, seconds=0.05)
     with Twin.make(2, 0.5) as twin:
         got = check(twin, seconds=0.25)
-    assert got["rounds"] == 1 and got["of_payload_rate"] >= TOLERANCE, got
+    assert 1 <= got["rounds"] <= ROUNDS and got["of_payload_rate"] >= TOLERANCE, got

@@ -106,7 +106,8 @@ def test_scaletrain_shard_receives_once_free_while_it_works_and_replies_in_turn(
     # N pushers into one dedicated shard, each transfer t = G / 1e6 + latency. The shard replies to
     # each in turn (at t, 2t, ..., Nt after its update); pusher i computes c after its reply; the
     # shard asks for its gradient once the replies are out, and the gradients come in through the
-    # PS's link one after another; the shard adds each (a), then updates (u).
+    # PS's link, one after another in this formula (the simulation lets two that overlap share the
+    # link: 0.3% on the round at c = 1); the shard adds each (a), then updates (u).
     n, t = 3, G / 1e6 + 0.01
     for c in (1.0, 5.0):
         p = replace(TOY, compute_s=c)
@@ -149,6 +150,28 @@ def test_transfers_on_a_link_share_it_as_tcp_flows_do():
     assert links.busy[9, "in"] == pytest.approx(3.0) and links.busy[5, "in"] == pytest.approx(2.0)
 
 
+def test_transfers_end_far_into_a_simulation_where_the_clock_is_coarse():
+    """At 3e7 s a step of the float clock is about 4 ns: transfers that end within it still end."""
+    import random
+
+    import simpy
+    from scaletrain.perfmodel.simulate import _Links
+    rng = random.Random(0)
+    for _ in range(20):
+        env = simpy.Environment(initial_time=3e7)
+        links, ends = _Links(env, 1e3), []
+
+        def send(src, nbytes):
+            yield env.timeout(rng.random())
+            yield links.send(((src, "out"), (9, "in")), nbytes)
+            ends.append(env.now)
+
+        for k in range(3):
+            env.process(send(k, rng.uniform(1e3, 1e4)))
+        env.run(until=3e7 + 1e3)
+        assert len(ends) == 3
+
+
 def test_threaded_shard_overlaps_transfers_with_its_work():
     # A threaded shard (ps_overlap): all N gradients come in through the PS's link at once, the
     # adds hide behind them but for one, then the update (the mean, G / 1e10, and the optimizer,
@@ -160,11 +183,11 @@ def test_threaded_shard_overlaps_transfers_with_its_work():
     assert est.step_s == pytest.approx(1.0 + 2 * (n * G / 1e6 + 0.01) + G / 1e10 + (G / 1e10 + G / 1e8))
     # Played out in time, the N gradients share the PS's link as TCP flows do, so all come in after
     # N t, and so do the replies, sent at once: a round lasts c + 2 N t + the N adds and the update
-    # + two latencies (the closed form's), not c + (N + 1) t as with transfers one after another.
+    # + two latencies, not c + (N + 1) t as with transfers one after another. (The closed form hides
+    # all adds but one behind the transfers: here an add is 1e-4 s.)
     res = simulate(p, st, cycle_hint=5.0)
     assert res.step_s == pytest.approx(1.0 + 2 * n * G / 1e6 + n * G / 1e10 + (G / 1e10 + G / 1e8) + 2 * 0.01,
                                        rel=0.005)
-    assert res.step_s == pytest.approx(est.step_s, rel=0.005)
 
 
 def test_sync_is_as_fast_as_mixed_async_with_equal_speeds_and_a_cheap_network():
@@ -281,16 +304,15 @@ def test_input_rate_0_changes_nothing(tmp_path):
 
 # --- predictions, the study's profile, the recommender -----------------------------------------
 
-# The study's 4-worker rows (shared reference): placement, measured img/s, how the profile used the
-# row (profiles/study-k80.toml: compute_s from the 1-node row, ps_apply_rate from the 1-PS row,
-# net_bandwidth from the dedicated-PS row while transfers went one after another) and the bound on
-# the error. A fitted row can only show that the fit holds; the held-out row is the prediction.
+# The study's 4-worker rows (shared reference): placement, measured img/s, and whether the profile
+# was set from the row (profiles/study-k80.toml: compute_s from the 1-node row, net_bandwidth from
+# the dedicated-PS row, ps_apply_rate from the 1-PS row). A fitted row can only show that the fit
+# holds; the held-out row is the prediction.
 STUDY = [
-    ("cluster.num_ps=0", "cluster.nodes=1", 124.18, "fitted", 0.005),
-    # With shared links this row is -2.7% at the profile's bandwidth, and -2% at best at any.
-    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62, "set it before links were shared", 0.03),
-    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22, "fitted", 0.005),
-    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73, "held out", 0.05),
+    ("cluster.num_ps=0", "cluster.nodes=1", 124.18, "fitted"),
+    ("cluster.num_ps=3", "cluster.ps_placement=dedicated", 396.62, "fitted"),
+    ("cluster.num_ps=1", "cluster.ps_placement=alongside", 292.22, "fitted"),
+    ("cluster.num_ps=3", "cluster.ps_placement=alongside", 374.73, "held out"),
 ]
 
 
@@ -301,13 +323,12 @@ def study_row(ps: str, where: str) -> dict:
     return predict(load_config(ROOT / "recipes/anp-resnet50.toml", sets), prof)
 
 
-@pytest.mark.parametrize("ps,where,measured,role,bound", STUDY)
-def test_study_profile_reproduces_its_fit_and_predicts_the_held_out_row(ps, where, measured, role, bound):
+@pytest.mark.parametrize("ps,where,measured,role", STUDY)
+def test_study_profile_reproduces_its_fit_and_predicts_the_held_out_row(ps, where, measured, role):
     row = study_row(ps, where)
-    # 0.5%: the profile's fitted figures are rounded to 2-3 digits; 5% for the prediction (+3.2%).
-    # A PS alongside costing nothing would give the dedicated row's 385.9 (+3.0%): the model puts
-    # little cost on sharing the nodes, where the study measured 5.5% between the two rows.
-    assert row["images_per_sec"] == pytest.approx(measured, rel=bound), role
+    # 0.5%: the profile's fitted figures are rounded to 2-3 digits; 5% for the prediction (-2.5%),
+    # where a PS alongside costing nothing (the dedicated row, 396.9 img/s) would be +5.9%.
+    assert row["images_per_sec"] == pytest.approx(measured, rel=0.005 if role == "fitted" else 0.05)
     assert row["efficiency"] == pytest.approx(row["speedup"] / row["nodes_total"])
 
 

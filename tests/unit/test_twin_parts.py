@@ -63,3 +63,18 @@ def test_a_dilated_jobs_rows_are_the_clusters_too():
            "images_per_sec": 100.0, "data_wait_fraction": 0.25}
     assert cluster_row(row, 2.0) == {**row, "wall": 4.0, "train_wall": 3.0, "images_per_sec": 200.0}
     assert cluster_row(row, 1.0) is row
+
+
+def test_a_short_round_is_measured_again_and_only_a_twin_short_in_every_round_is_refused(monkeypatch):
+    """The retry policy alone (the real links: test_twin.py): a round short of the bound is measured
+    again; the first round that passes is the one reported; three short rounds refuse the twin, naming
+    the best round's worst pair and rate."""
+    from scaletrain.errors import LaunchError
+    twin = netns.Twin("policy", 2, [1.0, 1.0])
+    rounds = iter([[0.5, 0.95], [0.95, 0.94]])  # Gbit/s of pairs (1 -> 2, 2 -> 1) a round
+    monkeypatch.setattr(selftest, "measure", lambda *_: next(rounds))
+    got = selftest.check(twin)
+    assert got["rounds"] == 2 and got["measured_gbps"] == [0.95, 0.94]
+    rounds = iter([[0.5, 0.9], [0.9, 0.6], [0.4, 0.9]])
+    with pytest.raises(LaunchError, match=r"delivers 0.6 of the 1 Gbit/s set from node 2 to node 1 .*\(3 rounds"):
+        selftest.check(twin)

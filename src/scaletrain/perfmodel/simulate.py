@@ -113,8 +113,11 @@ class _Links:
                     self.busy[link] += dt
 
     def _next(self) -> None:
-        """End the transfers that are through (a nanosecond left at most: rounding), then wake at the next end."""
-        through = [f for f in self.flows if f[0] <= f[3] * 1e-9]
+        """End the transfers that are through, then wake at the next end. Through: at most a nanosecond
+        left, or less than the clock can still add at this time (a few of its last digits' worth: far
+        into a simulation a wake sooner than that would land on the same instant, for ever)."""
+        left = max(1e-9, 4 * math.ulp(self.env.now))
+        through = [f for f in self.flows if f[0] <= f[3] * left]
         for f in through:
             self.flows.remove(f)
             self.on.subtract(f[1])

@@ -95,7 +95,7 @@ def check(twin: Twin, seconds: float = 1.0, rounds: int = ROUNDS) -> dict:
         return {}
     between = pairs(twin.nodes)
     want = [min(twin.gbps[s], twin.gbps[d]) for s, d in between]
-    best = None
+    best, rounds = None, max(1, rounds)
     for k in range(1, rounds + 1):
         got = measure(twin, between, seconds)
         worst = min(range(len(got)), key=lambda i: got[i] / want[i])
