@@ -36,9 +36,15 @@ def main() -> int:
         tests = [{"test": f"{c.get('classname')}::{c.get('name')}", "seconds": round(float(c.get("time", 0)), 1),
                   "outcome": next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed")}
                  for c in cases]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {"benchmark": "long_tests", "command": "python " + " ".join(sys.argv), "git_commit": commit,
-           "pytest_exit": r.returncode, "tests": tests, "seconds": round(time.monotonic() - t0)}
+    import torch
+
+    from scaletrain.metrics import run_info
+
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip() != ""
+    out = {"benchmark": "long_tests", "command": "python " + " ".join(sys.argv), **run_info(torch.device("cpu")),
+           "git_dirty": dirty, "pytest_exit": r.returncode, "tests": tests, "seconds": round(time.monotonic() - t0)}
+    commit = out["git_commit"]
     print(json.dumps(out, indent=1))
     if a.save:
         stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
