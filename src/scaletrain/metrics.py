@@ -136,6 +136,13 @@ class JobClock:
     overall rate is their images over their seconds, its standard error comes
     from the spread of the windows' rates, and the median absolute deviation
     of those rates is the jitter.
+
+    A window closed with timed=False is left out: under shards that apply each
+    push as it comes (async), the job reaches its target at another pusher's
+    push and the chief learns it only at its own next exchange, so the window
+    that ends the job also holds the drain after it, up to one step of the
+    chief's, in which nothing is applied. It counts only when no other window
+    was timed (a job of one window: its rate is then a lower bound).
     """
 
     def __init__(self, images: int, warmup_images: int) -> None:
@@ -143,6 +150,7 @@ class JobClock:
         self.start_images, self.skip_until = images, images + warmup_images
         self.mark = (0.0, images) if warmup_images == 0 else None  # start of the open window
         self.windows: list[tuple[int, float, float]] = []  # (images, seconds, data-wait seconds)
+        self.untimed: tuple[int, float, float] | None = None  # the last window closed with timed=False
         self.wait = 0.0  # data-wait seconds in the open window
         self.images, self.t = images, 0.0
 
@@ -160,9 +168,10 @@ class JobClock:
     def resume(self) -> None:
         self.paused += time.perf_counter() - self.pause_t
 
-    def tick(self, images: int, close: bool) -> tuple[int, float, float] | None:
-        """The job has applied `images` by now; close a window when asked (a log point).
-        Returns the closed window (images, seconds, data-wait seconds), if one was closed."""
+    def tick(self, images: int, close: bool, timed: bool = True) -> tuple[int, float, float] | None:
+        """The job has applied `images` by now; close a window when asked (a log point), left out of
+        the rate when not `timed` (see the class doc). Returns the closed window (images, seconds,
+        data-wait seconds), if one was closed and timed."""
         self.images, self.t = images, self.now()
         if self.mark is None:
             if images >= self.skip_until:
@@ -170,9 +179,13 @@ class JobClock:
             return None
         if not close or self.t <= self.mark[0] or images <= self.mark[1]:
             return None
-        self.windows.append((images - self.mark[1], self.t - self.mark[0], self.wait))
+        window = (images - self.mark[1], self.t - self.mark[0], self.wait)
         self.mark, self.wait = (self.t, images), 0.0
-        return self.windows[-1]
+        if not timed:
+            self.untimed = window
+            return None
+        self.windows.append(window)
+        return window
 
     def summary(self) -> dict[str, float | None]:
         """images_per_sec with its standard error, jitter and window count; the slowest window's
@@ -184,19 +197,20 @@ class JobClock:
         are None (JSON null): nothing was measured, which a 0.0 would pass off as a measurement."""
         out = {"train_seconds": self.t, "images_applied": self.images,
                "part_images_applied": self.images - self.start_images}
-        rates = [n / s for n, s, _ in self.windows]
+        windows = self.windows or ([self.untimed] if self.untimed else [])
+        rates = [n / s for n, s, _ in windows]
         if not rates:
             return {**out, "images_per_sec": None, "images_per_sec_stderr": None, "images_per_sec_mad": None,
                     "slowest_window_fraction": None, "timed_windows": 0, "data_wait_fraction": None}
         med = statistics.median(rates)
-        seconds = sum(s for _, s, _ in self.windows)
+        seconds = sum(s for _, s, _ in windows)
         return {**out,
-                "images_per_sec": sum(n for n, _, _ in self.windows) / seconds,
+                "images_per_sec": sum(n for n, _, _ in windows) / seconds,
                 "images_per_sec_stderr": statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0,
                 "images_per_sec_mad": statistics.median(abs(r - med) for r in rates),
                 "slowest_window_fraction": min(rates) / med,
                 "timed_windows": len(rates),
-                "data_wait_fraction": sum(w for _, _, w in self.windows) / seconds}
+                "data_wait_fraction": sum(w for _, _, w in windows) / seconds}
 
 
 LAUNCHED = "SCALETRAIN_LAUNCHED"  # environment: when the launcher started the job (time.time())

@@ -32,6 +32,7 @@ from .replicas import evaluate, replica_buffers
 from .optim import state_keys
 from .plan import lost_nodes
 from .resume import rng_state
+from .strategies import traits
 from .strategies.base import Tick
 from .twin.dilation import cluster_row
 
@@ -55,6 +56,7 @@ class Tracker:
         # A replacement starts where the replica it took its state from was (comm/ring.py)
         self.images0 = self.last_point = resumed.images if resumed else strategy.images
         self.clock = JobClock(self.images0, cfg.train.warmup_log_steps * sched.step_images)
+        self.drains = traits.entry(cfg).server == "async"  # the job's last window is not timed (JobClock)
         self.rec = Loggers(run_dir, cfg.train.loggers) if self.chief else None
         self.writer = checkpoint.Writer(run_dir / "checkpoints", cfg.train.keep_checkpoints) if self.chief else None
         self.bar = Progress(sched.steps, sched.step_of(self.images0), enabled=progress and self.chief,
@@ -101,7 +103,8 @@ class Tracker:
         if tick.synced or self.sched.crossed(self.cfg.train.log_every, before.images, tick.images):
             sync(self.device)  # host-device sync: the clock must see the queued work
             self.compute_time.seconds()  # reads the steps' events while they are few
-            window = self.clock.tick(tick.images, close=True)
+            # Async shards end the job at another pusher's push: this tick's window holds the drain after it
+            window = self.clock.tick(tick.images, close=True, timed=not (tick.stop and self.drains))
             rate = window[0] / window[1] if window else None
             s, n_ = self.losses[0].tolist()  # host-device sync, at log points only
             self.losses[0].zero_()

@@ -85,6 +85,23 @@ def test_backup_stops_exactly_at_the_target(tmp_path):
     assert s["images_applied"] == 7 * 3 * 8 and {w["stopped_at_images"] for w in s["per_worker"]} == {168}
 
 
+def test_an_async_jobs_rate_leaves_out_the_drain_after_its_target(tmp_path):
+    """mixed-async with the chief's node slowed: the other pusher reaches the target, and the chief
+    learns it at its next exchange, a slowed step later. That last window is not timed: the rate is
+    the images of the windows before it over their seconds."""
+    s = run(tmp_path, "drain", *cluster(2, 1, 1, "mixed-async", "strategy.slow_node=0", "strategy.slow_delay_s=0.3"),
+            "data.workers=0", "train.eval_every=0", "train.log_every=1", "train.warmup_log_steps=0",
+            "train.steps=30")
+    rows = [json.loads(line) for line in (tmp_path / "drain" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train[-1]["images"] == s["images_applied"] == 30 * 2 * 32
+    assert "images_per_sec" not in train[-1]  # the window that ended the job, drain and all
+    timed = [r for r in train if "images_per_sec" in r]
+    assert s["timed_windows"] == len(timed) >= 2
+    last = timed[-1]  # every window from the start (no warm-up) to this one: their images over their seconds
+    assert s["images_per_sec"] == pytest.approx(last["images"] / last["train_wall"], rel=0.02)
+
+
 def test_long_evaluation_and_slow_steps_do_not_kill_a_healthy_job(tmp_path):
     """timeout_s = 2, while one evaluation of the test set takes over 5 times that, and one node's
     steps take 3 s: nobody waits in a timed call on healthy work (the PS waits in a receive

@@ -148,6 +148,20 @@ def test_an_improvement_on_a_noisy_baseline_is_flagged():
     assert target[1]["improvement"] == 3.0 and target[1]["flag"] is None
 
 
+def test_an_untimed_window_counts_only_when_no_other_was_timed():
+    clock = JobClock(0, 0)
+    clock.now = iter([1.0, 2.0, 5.0]).__next__  # seconds at each tick
+    clock.tick(100, close=True)
+    clock.tick(200, close=True)
+    assert clock.tick(300, close=True, timed=False) is None  # a drain: 100 images in 3 s
+    s = clock.summary()
+    assert s["images_per_sec"] == 100.0 and s["timed_windows"] == 2 and s["images_applied"] == 300
+    alone = JobClock(0, 0)
+    alone.now = iter([4.0]).__next__
+    alone.tick(100, close=True, timed=False)
+    assert alone.summary()["images_per_sec"] == 25.0  # the job's one window, its drain included
+
+
 def test_a_cell_not_measured_is_null_and_says_so(tmp_path):
     s = JobClock(0, 64).summary()  # nothing past the warm-up
     assert s["images_per_sec"] is None and s["images_per_sec_stderr"] is None and s["timed_windows"] == 0
