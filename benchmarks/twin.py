@@ -29,8 +29,10 @@ over the step; each row reports the host time it implies, host_cpu_s_implied.
 A row whose own link self-test still refuses the twin runs again at the next k (twice at most).
 The summary's figures are the cluster's (durations / k, rates x k), as bench reads them.
 
-Prediction. `scaletrain predict` with the study profile whose net_bandwidth is the row's link rate
-(rate x 1e9 / 8 bytes/s; a copy in a temporary directory) and the study's recipe
+Prediction. `scaletrain predict` with the study profile whose net_bandwidth is the payload a link of
+the row's rate carries (rate x 1e9 / 8 bytes/s x twin.selftest.FRAMING, 1448 of every 1514 bytes a
+frame: TCP with timestamps in a 1500-byte MTU, and the Ethernet header, which tbf counts; a copy in
+a temporary directory) and the study's recipe
 (recipes/anp-resnet50.toml) at one GPU a node. A second figure, `predicted_network_only`, leaves
 the PS's CPU out (ps_apply_rate and ps_accumulate_rate 1e15) and makes its shard send its own
 replies (ps_overlap = false, scaletrain's server): the twin dilates neither the PS's CPU time nor
@@ -262,9 +264,10 @@ def measure(rows: list[dict], a, study: dict, runs: Path) -> tuple[list[dict], l
 def predict(rows: list[dict], rate: float, network_only: bool, tmp: Path) -> list[dict]:
     """`scaletrain predict` of rows at one link rate: the study profile with net_bandwidth at it."""
     from scaletrain.perfmodel.profile import dump_profile, load_profile
+    from scaletrain.twin.selftest import FRAMING
 
     prof, about = load_profile(ROOT / PROFILE)
-    prof = replace(prof, net_bandwidth=rate * 1e9 / 8)
+    prof = replace(prof, net_bandwidth=rate * 1e9 / 8 * FRAMING)  # the payload a link of that rate carries
     if network_only:
         prof = replace(prof, ps_apply_rate=1e15, ps_accumulate_rate=1e15, ps_overlap=False)
     path = tmp / f"study-k80-{rate:g}gbps{'-network' if network_only else ''}.toml"
