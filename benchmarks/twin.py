@@ -53,7 +53,8 @@ exceed sync's by more than two standard errors), and what asynchrony buys on the
 (mixed-async / sync images/s per node count).
 
     python benchmarks/twin.py [--quick] [--save] [--warmup 2 --steps 8 --capacity-gbps C --headroom 1]
-                              [--nodes 2 4 8 --rates 1 10]
+                              [--nodes 2 4 8 --rates 1 10 --strategies sync mixed-async allreduce]
+                              [--repeats R --time-scale K]
     python benchmarks/twin.py --predict-again benchmarks/results/twin-....json [--save]
 
 --quick: 2 and 4 nodes at 1 Gbit/s, 1 + 4 steps (a few minutes). The full run takes about 75 minutes
@@ -145,18 +146,22 @@ def time_scale(load: float, budget: float, host: float = 0.0, step: float = math
     return next((k for k in SERIES if load / k <= budget and host / k <= HOST_SHARE * step), SERIES[-1])
 
 
-def plan(nodes: list[int], rates: list[float], budget: float, tmp: Path) -> list[dict]:
+def plan(nodes: list[int], rates: list[float], budget: float, tmp: Path, strategies: list[str] | None = None,
+         scale: int = 0) -> list[dict]:
+    """The rows, each with its time scale (`scale` when given, else the smallest within the bounds)."""
     rows = []
     for rate in rates:
         for n in nodes:
             for name, ps in STRATEGIES:
+                if strategies and name not in strategies:
+                    continue
                 load, why = load_gbps(n, ps, rate)
                 rows.append({"nodes": n, "strategy": name, "num_ps": ps, "link_gbps": rate, "load_gbps": load,
                              "load": why})
     add_predictions(rows, tmp)
     for r in rows:
         step = (r["predicted_network_only"] or {}).get("step_s") or math.inf
-        r["time_scale"] = time_scale(r["load_gbps"], budget, host_s(r), step)
+        r["time_scale"] = scale or time_scale(r["load_gbps"], budget, host_s(r), step)
     return rows
 
 
@@ -171,21 +176,22 @@ def host_implied(r: dict, batch: int) -> float | None:
 
 
 def bench_args(rate: float, k: int, rows: list[dict], compute_s: float, batch: int, warmup: int, steps: int,
-               out: Path) -> list[str]:
+               out: Path, repeats: int = 1) -> list[str]:
     cells = ",".join(f"{r['nodes']}:{r['strategy']}:{r['num_ps']}" for r in rows)
     sets = [*MODEL, f"data.batch_size={batch}", f"train.emulate_compute_s={compute_s}", "data.workers=0",
             "cluster.gpus_per_node=1", "cluster.network=netns", f"cluster.link_gbps={rate:g}",
             f"cluster.time_scale={k}"]
     return ["bench", "--recipe", RECIPE, *(a for s in sets for a in ("--set", s)),
             "--grid", f"cluster.nodes+strategy.name+cluster.num_ps={cells}",
-            "--warmup", str(warmup), "--steps", str(steps), "--out", str(out)]
+            "--warmup", str(warmup), "--steps", str(steps), "--out", str(out),
+            *(["--repeats", str(repeats)] if repeats > 1 else [])]
 
 
 def run_group(rate: float, k: int, rows: list[dict], a, study: dict, runs: Path) -> tuple[list[dict], dict]:
     """One `scaletrain bench` of rows sharing a rate and time scale: the rows measured (or with
     their error) and the group's added 1-node baseline."""
     out = runs / f"rate{rate:g}-k{k}"
-    args = bench_args(rate, k, rows, study["compute_s"], study["batch"], a.warmup, a.steps, out)
+    args = bench_args(rate, k, rows, study["compute_s"], study["batch"], a.warmup, a.steps, out, a.repeats)
     say(f"{rate:g} Gbit/s, time scale {k}: " + "; ".join(f"{r['nodes']} nodes {r['strategy']}" for r in rows))
     t0 = time.monotonic()
     scaletrain(*args, capture=False)  # a failed cell is a row with its error
@@ -217,6 +223,7 @@ def row_figures(r: dict, k: int, b: dict | None, out: Path, command: str) -> dic
     test = (summary.get("twin") or {}).get("self_test") or {}
     row.update({key: b.get(key) for key in ("images_per_sec", "images_per_sec_stderr", "speedup", "speedup_stderr",
                                             "efficiency", "staleness_mean", "timed_windows", "flag", "wall_seconds")})
+    row.update({key: b[key] for key in ("images_per_sec_runs", "images_per_sec_run_stderr") if key in b})  # --repeats
     row.update(comm_share=split.get("comm_s", 0.0) / total if total else None, time_split_s=split,
                self_test={"set_gbps": test.get("set_gbps"), "measured_gbps": test.get("measured_gbps"),
                           "worst_ratio": test.get("ratio")},
@@ -399,6 +406,13 @@ def main() -> None:
     ap.add_argument("--headroom", type=float, default=1.0, help="fraction of the twin test's rate a row may load")
     ap.add_argument("--nodes", type=int, nargs="+", help="node counts of the rows (default 2 4 8; --quick 2 4)")
     ap.add_argument("--rates", type=float, nargs="+", help="link rates, Gbit/s (default 1 10; --quick 1)")
+    ap.add_argument("--strategies", nargs="+", choices=[n for n, _ in STRATEGIES],
+                    help="the rows' strategies (default all three)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each row (bench --repeats): images/s their mean, the spread across them kept")
+    ap.add_argument("--time-scale", type=int, default=0,
+                    help="every row at this k instead of the smallest within the bounds (one the self-test "
+                         "refuses still runs again higher)")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/results/twin-TIME-COMMIT.json")
     ap.add_argument("--predict-again", metavar="RESULTS_JSON", type=Path,
                     help="no run: the rows of a saved run predicted again by this commit's model (the measured "
@@ -421,7 +435,7 @@ def main() -> None:
     nodes, rates = ([2, 4], [1.0]) if a.quick else ([2, 4, 8], [1.0, 10.0])
     nodes, rates = a.nodes or nodes, a.rates or rates
     with tempfile.TemporaryDirectory() as tmp:
-        rows = plan(nodes, rates, budget, Path(tmp))
+        rows = plan(nodes, rates, budget, Path(tmp), a.strategies, a.time_scale)
     say(f"this machine carries {cap['gbps']:g} Gbit/s (twin test); a row may load {a.headroom:g} x that = "
         f"{budget:g} Gbit/s: time scale k = the smallest of {', '.join(map(str, SERIES))} with load / k <= {budget:g}"
         f" and host work / k <= {HOST_SHARE:g} x the predicted step")
@@ -439,7 +453,7 @@ def main() -> None:
            "command": "python benchmarks/twin.py " + " ".join(sys.argv[1:]),
            "model": "resnet50, 1,200 classes (25,966,832 parameters)", "study_step": study,
            "recipe": RECIPE, "model_sets": MODEL, "predict_recipe": PREDICT_RECIPE, "profile": PROFILE,
-           "warmup": a.warmup, "steps": a.steps, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
+           "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
            "host_cpu_s": HOST_CPU_S, "host_share": HOST_SHARE,
            "baselines": baselines, "rows": rows, "findings": findings(rows), "fidelity": fidelity(rows),
            "runs_dir": str(runs),
