@@ -442,7 +442,7 @@ def main() -> None:
     for r in rows:
         say(f"  {r['link_gbps']:g} Gbit/s, {r['nodes']} nodes {r['strategy']}: load {r['load_gbps']:g} Gbit/s "
             f"({r['load']}), host {host_s(r):.2f} s of a {r['predicted_network_only'].get('step_s', 0):.2f} s step "
-            f"-> k = {r['time_scale']}")
+            f"-> k = {r['time_scale']}{' (--time-scale)' if a.time_scale else ''}")
     runs = Path(tempfile.mkdtemp(prefix="twin-bench-", dir="/tmp"))
     rows, baselines = measure(rows, a, study, runs)
     with tempfile.TemporaryDirectory() as tmp:
