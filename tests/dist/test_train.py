@@ -56,11 +56,13 @@ def test_cli_train_plain_progress_when_not_a_terminal(tmp_path, env):
 
 
 FAULTS = r'''
-import resource, sys, torch
-from scaletrain.compute import keep_freed_memory
+import ctypes, resource, sys, torch
+from scaletrain.compute import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
 from scaletrain.config import ModelConfig
 from scaletrain.models import build_model
 torch.set_num_threads(1)
+mallopt = ctypes.CDLL(None).mallopt  # glibc's starting thresholds, held: its adaptation off
+assert mallopt(M_MMAP_THRESHOLD, 128 << 10) and mallopt(M_TRIM_THRESHOLD, 128 << 10)
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 m = build_model(ModelConfig(name="resnet20", num_classes=10))
 x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
@@ -76,8 +78,12 @@ print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
 
 
 def test_freed_memory_is_kept_for_the_next_step(tmp_path):
-    """Page faults per training step of a real model, with the allocator as a worker sets it
-    and as glibc leaves it; a user's own MALLOC_*_THRESHOLD_ setting is left alone."""
+    """Page faults per step of a real model, with the allocator as a worker sets it and with glibc's
+    starting thresholds; a user's own MALLOC_*_THRESHOLD_ setting is left alone.
+
+    Both runs start from glibc's thresholds held fixed. Left to itself glibc raises its mmap
+    threshold as it frees mmapped chunks, so a step then faults anywhere from a few hundred to
+    several thousand pages by the process's history, which no bound can be drawn on."""
     script = tmp_path / "faults.py"
     script.write_text(FAULTS)
 
@@ -88,5 +94,5 @@ def test_freed_memory_is_kept_for_the_next_step(tmp_path):
 
     kept, few = faults("keep")
     _, many = faults("default")
-    assert kept == "True" and many > 1000 and few < many / 10, (few, many)
+    assert kept == "True" and many > 10_000 and few < many / 20, (few, many)
     assert faults("keep", MALLOC_TRIM_THRESHOLD_="131072")[0] == "False"
