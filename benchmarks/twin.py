@@ -255,11 +255,12 @@ def measure(rows: list[dict], a, study: dict, runs: Path) -> tuple[list[dict], l
         for (rate, k), group in sorted(groups.items()):
             got, base = run_group(rate, k, group, a, study, runs)
             baselines.append(base)
+            higher = next((s for s in SERIES if s > k), None)
             for g in got:
-                if refused(g) and attempt < RETRIES:
-                    say(f"  {g['nodes']} nodes {g['strategy']}: refused at time scale {k} ({g['error']}); again higher")
-                    again.append({**g, "time_scale": next((s for s in SERIES if s > k), SERIES[-1]),
-                                  "refused_at": [*g.get("refused_at", []), k]})
+                if refused(g) and attempt < RETRIES and higher:
+                    say(f"  {g['nodes']} nodes {g['strategy']}: refused at time scale {k} ({g['error']}); "
+                        f"again at {higher}")
+                    again.append({**g, "time_scale": higher, "refused_at": [*g.get("refused_at", []), k]})
                 else:
                     done.append(g)
         todo = [{key: v for key, v in g.items() if key not in ("error", "command", "twin_link_gbps")} for g in again]
@@ -418,6 +419,8 @@ def main() -> None:
                     help="no run: the rows of a saved run predicted again by this commit's model (the measured "
                          "figures, and the commit that measured them, kept)")
     a = ap.parse_args()
+    if a.time_scale < 0 or a.repeats < 1:
+        ap.error("--time-scale is 0 (the smallest within the bounds) or a k of at least 1; --repeats at least 1")
     if a.predict_again:
         return predict_again(a.predict_again, a.save)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
@@ -453,7 +456,8 @@ def main() -> None:
            "command": "python benchmarks/twin.py " + " ".join(sys.argv[1:]),
            "model": "resnet50, 1,200 classes (25,966,832 parameters)", "study_step": study,
            "recipe": RECIPE, "model_sets": MODEL, "predict_recipe": PREDICT_RECIPE, "profile": PROFILE,
-           "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats, "capacity": cap, "headroom": a.headroom, "load_budget_gbps": budget,
+           "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats, "capacity": cap, "headroom": a.headroom,
+           "load_budget_gbps": budget,
            "host_cpu_s": HOST_CPU_S, "host_share": HOST_SHARE,
            "baselines": baselines, "rows": rows, "findings": findings(rows), "fidelity": fidelity(rows),
            "runs_dir": str(runs),

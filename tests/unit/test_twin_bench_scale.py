@@ -34,3 +34,22 @@ def test_the_host_time_a_row_implies(monkeypatch):
            "predicted_network_only": {"images_per_sec": 40.0}}
     assert twin.host_implied(row, 32) == pytest.approx(2.0)
     assert twin.host_implied({**row, "images_per_sec": None}, 32) is None
+
+
+def test_a_refused_row_runs_again_only_at_a_higher_time_scale(monkeypatch):
+    """Refused at 20 the row runs at 50; refused at the series' top (or a k above it, --time-scale)
+    it is kept with its error, never run again at the same or a lower k."""
+    ran = []
+
+    def run_group(rate, k, rows, a, study, runs):
+        ran.append(k)
+        return [{**r, "error": "links below the set rate: raise cluster.time_scale"} for r in rows], {"k": k}
+
+    monkeypatch.setattr(twin, "run_group", run_group)
+    row = {"nodes": 6, "strategy": "mixed-async", "link_gbps": 2.5}
+    done, _ = twin.measure([{**row, "time_scale": 20}], None, {}, None)
+    assert ran == [20, 50, 100] and done[0]["refused_at"] == [20, 50] and twin.refused(done[0])
+    for k in (100, 200):
+        ran.clear()
+        done, _ = twin.measure([{**row, "time_scale": k}], None, {}, None)
+        assert ran == [k] and twin.refused(done[0]), (k, ran)
