@@ -455,6 +455,10 @@ def read_toml(path: Path, kind: str, error: type[ValueError] = ConfigError) -> d
         raise error(f"{kind} {path} not found") from None
     except tomllib.TOMLDecodeError as e:
         raise error(f"{kind} {path}: not valid TOML: {e}") from None
+    except IsADirectoryError:
+        raise error(f"{kind} {path} is a directory; give a .toml file in it") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{kind} {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
 
 
 def dump_toml(cfg: Config) -> str:

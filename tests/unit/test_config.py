@@ -62,6 +62,11 @@ def test_unknown_section_and_missing_recipe(tmp_path):
     bad.write_text("[model\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+    with pytest.raises(ConfigError, match=f"recipe {tmp_path} is a directory"):
+        load_config(tmp_path)
+    bad.write_bytes(b"\xff\xfe[model]\n")
+    with pytest.raises(ConfigError, match=f"recipe {bad} cannot be read"):
+        load_config(bad)
 
 
 def test_relations_checked():
